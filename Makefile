@@ -1,0 +1,43 @@
+# Thin targets. Each one creates .venv on first use (or when requirements change).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PYDEVD_DISABLE_FILE_VALIDATION := 1
+export MPLBACKEND := Agg
+
+.PHONY: book test lab bench clean venv
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (scalebook)" > /dev/null
+	@touch $@
+
+## book: execute every notebook (cached) and build the offline site into _build/html
+book: $(STAMP)
+	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
+	@echo
+	@echo "The book is built. Open file://$(CURDIR)/_build/html/index.html"
+
+## test: unit tests, distributed tests, nbval over every notebook, the book build and the browser checks
+test: $(STAMP)
+	$(BIN)/python -m pytest tests notebooks --nbval-lax-off
+
+## lab: JupyterLab on the notebooks
+lab: $(STAMP)
+	$(BIN)/jupyter lab notebooks
+
+## bench: side-by-side benchmarks, written to bench/results.json (not part of `make test`)
+bench: $(STAMP)
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf _build .jupyter_cache .pytest_cache bench/results.json
+	find . -name __pycache__ -not -path "./$(VENV)/*" -prune -exec rm -rf {} +

@@ -1,0 +1,45 @@
+"""scalebook: the code of the book *Training LLMs at Scale*.
+
+Every chapter of the book imports this package; nothing the book teaches is defined only in a notebook.
+Submodules are imported lazily so that ``import scalebook`` stays cheap and the pure-Python modules
+(``accounting``, ``configs``) never pull in torch.
+
+Modules
+-------
+data        the embedded default corpus, token streams and (input, target) batches
+model       a GPT decoder from scratch, with Hugging Face GPT-2 weight import and export
+train       a single-device training loop (gradient accumulation, bf16 autocast, checkpointing)
+measure     measured counterparts of the accounting formulas (bytes held, step time)
+accounting  closed-form parameter, memory, FLOP and time arithmetic (pure Python)
+configs     published model and hardware configurations
+dist        launching functions on N ranks, environment detection
+plots       the book's matplotlib figures
+notebook    helpers for the chapters (showing package source, reproducibility)
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+_SUBMODULES = (
+    "accounting",
+    "configs",
+    "data",
+    "dist",
+    "generate",
+    "measure",
+    "model",
+    "notebook",
+    "plots",
+    "train",
+)
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'scalebook' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_SUBMODULES))
