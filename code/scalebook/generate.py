@@ -44,3 +44,20 @@ def generate(
         idx = torch.cat([idx, next_token], dim=1)
     model.train(was_training)
     return idx
+
+
+def complete(
+    model: torch.nn.Module,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    seed: int = 0,
+) -> str:
+    """Continue ``prompt`` as text: encode, :func:`generate` with a seeded generator, decode."""
+    idx = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long)
+    generator = torch.Generator().manual_seed(seed)
+    out = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+    return tokenizer.decode(out[0].tolist())

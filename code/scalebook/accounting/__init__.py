@@ -1,0 +1,46 @@
+"""Closed-form accounting for training a Transformer: parameters, bytes, FLOPs and time.
+
+Pure Python (no torch), so a notebook, the planner or a widget can ask "how many bytes, how many
+FLOPs, how many days" instantly; ``scalebook.measure`` supplies the measured counterparts that the
+chapters check these numbers against.
+
+    params   param_count, param_breakdown, param_count_closed_form
+    memory   model_state_bytes (ZeRO, mixed precision), activation_bytes (Korthikanti et al.)
+    flops    flops_per_token, training_flops (6 N D), training_flops_with_attention (Narayanan et al.)
+    time     mfu, training_days, devices_needed
+
+Source: Rajbhandari et al. 2020 (ZeRO); Korthikanti et al. 2022 (activation recomputation);
+Kaplan et al. 2020 and Narayanan et al. 2021 (FLOPs); Chowdhery et al. 2022 (MFU).
+"""
+
+from scalebook.accounting.flops import flops_per_token, training_flops, training_flops_with_attention
+from scalebook.accounting.memory import (
+    OPTIMIZERS,
+    PRECISIONS,
+    RECOMPUTE,
+    ZERO_STAGES,
+    ModelStateBytes,
+    activation_bytes,
+    model_state_bytes,
+)
+from scalebook.accounting.params import param_breakdown, param_count, param_count_closed_form
+from scalebook.accounting.time import devices_needed, mfu, training_days
+
+__all__ = [
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "RECOMPUTE",
+    "ZERO_STAGES",
+    "ModelStateBytes",
+    "activation_bytes",
+    "devices_needed",
+    "flops_per_token",
+    "mfu",
+    "model_state_bytes",
+    "param_breakdown",
+    "param_count",
+    "param_count_closed_form",
+    "training_days",
+    "training_flops",
+    "training_flops_with_attention",
+]

@@ -1,0 +1,168 @@
+"""Bytes a training run keeps on each device: model states, and the activations saved for backward.
+
+Model states, bytes per parameter (Psi parameters in all):
+
+    precision            parameters   gradients      optimizer with Adam                  total
+    "fp32"               4            4              m 4 + v 4                            16
+    "mixed"              2 (bf16)     2              fp32 master 4 + m 4 + v 4 (K = 12)   16
+    "mixed-fp32-grads"   2            2 + 4 (fp32)   fp32 master 4 + m 4 + v 4            20
+
+``optimizer="sgd"`` keeps no state (a mixed-precision run still keeps its fp32 master copy, K = 4);
+``"sgd-momentum"`` keeps one fp32 buffer. The fp32 master copy counts as optimizer state, as in the
+ZeRO paper's K. "mixed-fp32-grads" accumulates gradients in fp32 beside the 16-bit ones, as Nanotron
+does; its extra buffer is a gradient, so ZeRO-2 shards it.
+
+ZeRO-DP over N_d data-parallel ranks removes the replication stage by stage (ZeRO paper, Fig. 1):
+
+    stage 0:  (2 + 2 + K) Psi                stage 2:  2 Psi + (2 + K) Psi / N_d
+    stage 1:  (2 + 2) Psi + K Psi / N_d      stage 3:  (2 + 2 + K) Psi / N_d
+
+Tensor and pipeline parallelism split the model itself, so tp * pp divides every term.
+
+Activations saved per Transformer layer, 16-bit, sequence s, micro-batch b, width h, heads a, tensor
+parallel degree t (Korthikanti et al., Sec. 4 and Table 2):
+
+    no parallelism                     s b h (34 + 5 a s / h)
+    tensor parallel                    s b h (10 + 24 / t + 5 a s / (h t))
+    tensor + sequence parallel         s b h / t (34 + 5 a s / h)
+    selective recomputation            the 5 a s / h term is recomputed, not stored
+    full recomputation                 only the layer input, 2 s b h (divided by t under SP)
+
+Source: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", Sec. 3 and Fig. 1; Tazi et al. 2025, "The Ultra-Scale Playbook", "Memory usage in
+Transformers"; Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scalebook.accounting import _checks
+from scalebook.accounting.params import params_of
+from scalebook.configs import ModelConfig
+
+PRECISIONS = ("fp32", "mixed", "mixed-fp32-grads")
+OPTIMIZERS = ("adam", "sgd", "sgd-momentum")
+ZERO_STAGES = (0, 1, 2, 3)
+RECOMPUTE = ("none", "selective", "full")
+
+# (row, bytes per parameter, kind); a kind is sharded over dp from ZeRO stage _SHARDED_FROM[kind] on.
+_MASTER = (("fp32 master parameters", 4, "optimizer"),)
+_PRECISION_ROWS = {
+    "fp32": ((), (("fp32 parameters", 4, "params"), ("fp32 gradients", 4, "grads"))),
+    "mixed": (_MASTER, (("16-bit parameters", 2, "params"), ("16-bit gradients", 2, "grads"))),
+    "mixed-fp32-grads": (
+        _MASTER,
+        (
+            ("16-bit parameters", 2, "params"),
+            ("16-bit gradients", 2, "grads"),
+            ("fp32 gradients", 4, "grads"),
+        ),
+    ),
+}
+_OPTIMIZER_ROWS = {
+    "adam": (("Adam first moment", 4, "optimizer"), ("Adam second moment", 4, "optimizer")),
+    "sgd": (),
+    "sgd-momentum": (("SGD momentum", 4, "optimizer"),),
+}
+_SHARDED_FROM = {"optimizer": 1, "grads": 2, "params": 3}
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of model state on one device, by kind, with the finer rows in ``detail``."""
+
+    params: int
+    grads: int
+    optimizer: int
+    detail: tuple[tuple[str, int], ...]
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def rows(self) -> list[tuple[str, int]]:
+        """(what, bytes) for every buffer: optimizer state first, then parameters, then gradients."""
+        return list(self.detail)
+
+
+def model_state_bytes(
+    n_params: ModelConfig | float,
+    *,
+    zero_stage: int = 0,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    precision: str = "mixed",
+    optimizer: str = "adam",
+) -> ModelStateBytes:
+    """Parameters, gradients and optimizer state held per device (``n_params``: a count or a ModelConfig)."""
+    _checks.require(
+        _checks.model_or_count(n_params),
+        _checks.one_of("zero_stage", zero_stage, ZERO_STAGES),
+        _checks.positive_int(dp=dp, tp=tp, pp=pp),
+        _checks.one_of("precision", precision, PRECISIONS),
+        _checks.one_of("optimizer", optimizer, OPTIMIZERS),
+    )
+    n = params_of(n_params)
+    master, weights = _PRECISION_ROWS[precision]
+    rows = master + _OPTIMIZER_ROWS[optimizer] + weights
+    by_kind = {"params": 0, "grads": 0, "optimizer": 0}
+    detail = []
+    for label, bytes_per_param, kind in rows:
+        shards = tp * pp * (dp if zero_stage >= _SHARDED_FROM[kind] else 1)
+        held = -(-n * bytes_per_param // shards)  # ceil: the device with the largest shard
+        by_kind[kind] += held
+        detail.append((label, held))
+    return ModelStateBytes(**by_kind, detail=tuple(detail))
+
+
+def activation_bytes(
+    cfg: ModelConfig,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    tp: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
+    dtype_bytes: int = 2,
+    dropout: bool = True,
+) -> int:
+    """Activation bytes saved for the backward pass on one device, summed over all layers.
+
+    The constants are Korthikanti et al.'s for the GPT-3 layer (multi-head attention, 4h GELU MLP,
+    dropout); for a Llama-layout config (GQA, SwiGLU, no dropout) the result is that layer's estimate.
+    ``dropout=False`` removes the two 1-byte masks per s b h and the attention dropout's mask and
+    output, as for a model trained without dropout. Not counted: the embedding output, the final norm,
+    the logits and the loss. Under 1F1B pipeline parallelism the first stage holds L/p layers for p
+    micro-batches in flight, so this all-layer figure is also that stage's.
+    """
+    _checks.require(
+        _checks.model_config(cfg),
+        _checks.positive_int(seq_len=seq_len, micro_batch=micro_batch, tp=tp, dtype_bytes=dtype_bytes),
+        _checks.one_of("sp", sp, (False, True)),
+        _checks.one_of("recompute", recompute, RECOMPUTE),
+    )
+    s, b, h, a, t = seq_len, micro_batch, cfg.d_model, cfg.n_heads, tp
+    _checks.require(
+        [] if a % t == 0 else [f"tp ({t}) must divide n_heads ({a}) of {cfg.name}; "
+                               f"choose tp from {[d for d in range(1, a + 1) if a % d == 0]}"],
+        [] if not sp or s % t == 0 else [f"sequence parallelism splits the sequence over tp ranks: "
+                                         f"seq_len ({s}) must be divisible by tp ({t})"],
+    )  # fmt: skip
+    seq_shard = s // t if sp else s  # SP splits the sequence of the otherwise replicated tensors
+    if recompute == "full":
+        # Only each layer's input is kept: 2 s b h (16-bit), / t with SP.
+        return cfg.n_layers * seq_shard * b * h * dtype_bytes
+    mask = 1 if dropout else 0
+    # Replicated across TP ranks: two LayerNorm inputs, the QKV input and the MLP input (4 s b h
+    # elements), plus the dropout masks after attention and after the MLP (1 byte each): 10 s b h at 16 bit.
+    replicated = seq_shard * b * h * (4 * dtype_bytes + 2 * mask)
+    # Split by TP: Q, K, V and the output-projection input (4 s b h), the GELU input and the second
+    # linear's input (4 s b h each): 12 s b h elements, 24 s b h / t bytes at 16 bit.
+    split = s * b * (h // t) * 12 * dtype_bytes
+    # Attention scores per head: softmax output, dropout mask (1 byte) and dropout output:
+    # 5 a s^2 b / t bytes at 16 bit. Selective recomputation recomputes them instead.
+    bytes_per_score = dtype_bytes + mask * (1 + dtype_bytes)
+    scores = 0 if recompute == "selective" else (a // t) * s * s * b * bytes_per_score
+    return cfg.n_layers * (replicated + split + scores)

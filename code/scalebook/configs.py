@@ -1,0 +1,405 @@
+"""Published model shapes and hardware numbers, each with the document it comes from.
+
+Three registries, each a frozen dataclass per entry:
+
+- models (:class:`ModelConfig`): the GPT-2 family, the eight rows of GPT-3's Table 2.1, Llama 2 and
+  Llama 3/3.1. ``nominal_params`` is the headline size the paper prints (``175e9``); the exact count
+  follows from the shape (``scalebook.accounting.param_count``).
+- accelerators (:class:`Hardware`): dense peak FLOP/s per dtype (no 2:4 sparsity), HBM capacity and
+  bandwidth, and the intra-node link each GPU has.
+- links (:class:`Link`): NVLink generations, InfiniBand, PCIe, RoCE.
+
+Units are SI: bytes, bytes per second, FLOP per second; "GB" means 1e9 bytes, as on the datasheets.
+
+Source: Radford et al. 2019 (GPT-2), Table 2; Brown et al. 2020 (GPT-3), Table 2.1; Touvron et al.
+2023 (Llama 2), Table 1; Grattafiori et al. 2024 (The Llama 3 Herd of Models), Table 3; the
+Hugging Face ``config.json`` of each released checkpoint; NVIDIA and AMD datasheets named per entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+ARCHS = ("gpt", "llama")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+GB = 10**9
+TB = 10**12
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only Transformer: everything that sets its parameter count and FLOPs.
+
+    ``arch="gpt"`` means learned absolute position embeddings (``max_seq_len`` rows); ``"llama"``
+    means rotary positions, which have no parameters.
+    """
+
+    name: str
+    arch: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    max_seq_len: int
+    tied_embeddings: bool
+    bias: bool
+    norm: str
+    mlp: str
+    source: str = "user-defined"
+    nominal_params: float | None = None
+
+    def __post_init__(self):
+        problems = []
+        for attr in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
+            value = getattr(self, attr)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{attr} must be a positive integer, got {value!r}")
+        for attr, choices in (("arch", ARCHS), ("norm", NORMS), ("mlp", MLPS)):
+            if getattr(self, attr) not in choices:
+                problems.append(f"{attr} must be one of {choices}, got {getattr(self, attr)!r}")
+        if not problems:
+            if self.d_model % self.n_heads:
+                problems.append(
+                    f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}); "
+                    f"change one of them"
+                )
+            if self.n_heads % self.n_kv_heads:
+                problems.append(
+                    f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}) "
+                    "so that every key/value head serves the same number of query heads"
+                )
+        if self.nominal_params is not None and not self.nominal_params > 0:
+            problems.append(f"nominal_params must be positive, got {self.nominal_params!r}")
+        if problems:
+            raise ValueError(f"invalid ModelConfig {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def d_kv(self) -> int:
+        """Width of the key (and of the value) projection: n_kv_heads * d_head (d_model without GQA)."""
+        return self.n_kv_heads * self.d_head
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.arch == "gpt"
+
+    def gpt_config_kwargs(self) -> dict:
+        """Keyword arguments for ``scalebook.model.GPTConfig`` describing the same network."""
+        if self.arch != "gpt" or self.d_ff != 4 * self.d_model or self.n_kv_heads != self.n_heads:
+            raise ValueError(
+                f"{self.name!r} is not a GPT-2-layout model (arch='gpt', d_ff = 4 * d_model, n_kv_heads = "
+                "n_heads), which is the only layout scalebook.model.GPT builds; pick a gpt2* or gpt3* config"
+            )
+        return dict(
+            vocab_size=self.vocab_size,
+            block_size=self.max_seq_len,
+            n_layer=self.n_layers,
+            n_head=self.n_heads,
+            n_embd=self.d_model,
+            bias=self.bias,
+        )
+
+    @classmethod
+    def from_gpt_config(cls, config, name: str = "scalebook GPT") -> ModelConfig:
+        """The ModelConfig of a ``scalebook.model.GPTConfig`` (read by attribute: torch stays unimported)."""
+        return gpt_like(
+            name,
+            vocab_size=config.vocab_size,
+            d_model=config.n_embd,
+            n_layers=config.n_layer,
+            n_heads=config.n_head,
+            max_seq_len=config.block_size,
+            bias=config.bias,
+            source="built from a scalebook.model.GPTConfig",
+        )
+
+
+def gpt_like(
+    name: str,
+    *,
+    vocab_size: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    max_seq_len: int,
+    nominal_params: float | None = None,
+    source: str = "user-defined",
+    bias: bool = True,
+) -> ModelConfig:
+    """A GPT-2-layout model: learned positions, LayerNorm, 4x GELU MLP, biases, tied LM head."""
+    return ModelConfig(
+        name=name,
+        arch="gpt",
+        vocab_size=vocab_size,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_heads,
+        d_ff=4 * d_model,
+        max_seq_len=max_seq_len,
+        tied_embeddings=True,
+        bias=bias,
+        norm="layernorm",
+        mlp="gelu",
+        source=source,
+        nominal_params=nominal_params,
+    )
+
+
+def llama_like(
+    name: str,
+    *,
+    vocab_size: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    d_ff: int,
+    max_seq_len: int,
+    nominal_params: float | None = None,
+    source: str = "user-defined",
+    tied_embeddings: bool = False,
+) -> ModelConfig:
+    """A Llama-layout model: rotary positions, RMSNorm, SwiGLU MLP, no biases, untied LM head."""
+    return ModelConfig(
+        name=name,
+        arch="llama",
+        vocab_size=vocab_size,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        d_ff=d_ff,
+        max_seq_len=max_seq_len,
+        tied_embeddings=tied_embeddings,
+        bias=False,
+        norm="rmsnorm",
+        mlp="swiglu",
+        source=source,
+        nominal_params=nominal_params,
+    )
+
+
+_GPT2 = (
+    "Radford et al. 2019, 'Language Models are Unsupervised Multitask Learners', Table 2 (headline size); "
+    "Hugging Face openai-community/{hf} config.json (n_embd, n_layer, n_head; n_positions 1024, "
+    "vocab_size 50257)"
+)
+_GPT3 = (
+    "Brown et al. 2020, 'Language Models are Few-Shot Learners', Table 2.1 (n_ctx 2048 for every size); "
+    "same architecture and 50257-token BPE as GPT-2"
+)
+_LLAMA2 = (
+    "Touvron et al. 2023, 'Llama 2: Open Foundation and Fine-Tuned Chat Models', Table 1 (context 4096, "
+    "GQA for 70B); Hugging Face meta-llama/{hf} config.json"
+)
+_LLAMA3 = (
+    "Grattafiori et al. 2024, 'The Llama 3 Herd of Models', Table 3 (vocabulary 128K, 8 KV heads); "
+    "Hugging Face meta-llama/{hf} config.json"
+)
+
+_MODELS = (
+    gpt_like("gpt2", vocab_size=50257, d_model=768, n_layers=12, n_heads=12, max_seq_len=1024,
+             nominal_params=117e6, source=_GPT2.format(hf="gpt2")),
+    gpt_like("gpt2-medium", vocab_size=50257, d_model=1024, n_layers=24, n_heads=16, max_seq_len=1024,
+             nominal_params=345e6, source=_GPT2.format(hf="gpt2-medium")),
+    gpt_like("gpt2-large", vocab_size=50257, d_model=1280, n_layers=36, n_heads=20, max_seq_len=1024,
+             nominal_params=762e6, source=_GPT2.format(hf="gpt2-large")),
+    gpt_like("gpt2-xl", vocab_size=50257, d_model=1600, n_layers=48, n_heads=25, max_seq_len=1024,
+             nominal_params=1542e6, source=_GPT2.format(hf="gpt2-xl")),
+    gpt_like("gpt3-125m", vocab_size=50257, d_model=768, n_layers=12, n_heads=12, max_seq_len=2048,
+             nominal_params=125e6, source=_GPT3 + " (GPT-3 Small)"),
+    gpt_like("gpt3-350m", vocab_size=50257, d_model=1024, n_layers=24, n_heads=16, max_seq_len=2048,
+             nominal_params=350e6, source=_GPT3 + " (GPT-3 Medium)"),
+    gpt_like("gpt3-760m", vocab_size=50257, d_model=1536, n_layers=24, n_heads=16, max_seq_len=2048,
+             nominal_params=760e6, source=_GPT3 + " (GPT-3 Large)"),
+    # Table 2.1 prints 24 heads of d_head 128 for GPT-3 XL, which cannot tile d_model 2048 (24 * 128 =
+    # 3072); keeping d_model and d_head gives 16 heads, and d_model alone sets the 1.3B.
+    gpt_like("gpt3-1.3b", vocab_size=50257, d_model=2048, n_layers=24, n_heads=16, max_seq_len=2048,
+             nominal_params=1.3e9, source=_GPT3 + " (GPT-3 XL; the table's 24 heads x 128 do not make 2048)"),
+    gpt_like("gpt3-2.7b", vocab_size=50257, d_model=2560, n_layers=32, n_heads=32, max_seq_len=2048,
+             nominal_params=2.7e9, source=_GPT3),
+    gpt_like("gpt3-6.7b", vocab_size=50257, d_model=4096, n_layers=32, n_heads=32, max_seq_len=2048,
+             nominal_params=6.7e9, source=_GPT3),
+    # Table 2.1 prints d_model 5140 for 13B, but its 40 heads of d_head 128 make 5120.
+    gpt_like("gpt3-13b", vocab_size=50257, d_model=5120, n_layers=40, n_heads=40, max_seq_len=2048,
+             nominal_params=13.0e9, source=_GPT3 + " (the table prints d_model 5140; 40 heads x 128 = 5120)"),
+    gpt_like("gpt3-175b", vocab_size=50257, d_model=12288, n_layers=96, n_heads=96, max_seq_len=2048,
+             nominal_params=175.0e9, source=_GPT3),
+    llama_like("llama-2-7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+               d_ff=11008, max_seq_len=4096, nominal_params=7e9, source=_LLAMA2.format(hf="Llama-2-7b-hf")),
+    llama_like("llama-2-13b", vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, n_kv_heads=40,
+               d_ff=13824, max_seq_len=4096, nominal_params=13e9, source=_LLAMA2.format(hf="Llama-2-13b-hf")),
+    llama_like("llama-2-70b", vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+               d_ff=28672, max_seq_len=4096, nominal_params=70e9, source=_LLAMA2.format(hf="Llama-2-70b-hf")),
+    llama_like("llama-3-8b", vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+               d_ff=14336, max_seq_len=8192, nominal_params=8e9, source=_LLAMA3.format(hf="Meta-Llama-3-8B")),
+    llama_like("llama-3-70b", vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+               d_ff=28672, max_seq_len=8192, nominal_params=70e9,
+               source=_LLAMA3.format(hf="Meta-Llama-3-70B")),
+    llama_like("llama-3.1-405b", vocab_size=128256, d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+               d_ff=53248, max_seq_len=131072, nominal_params=405e9,
+               source=_LLAMA3.format(hf="Llama-3.1-405B")),
+)  # fmt: skip
+MODELS = MappingProxyType({m.name: m for m in _MODELS})
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point interconnect.
+
+    ``bandwidth`` is per direction: the bytes per second one GPU can send while it also receives at
+    the same rate, which is what a ring step of a collective sees. Vendors quote NVLink and PCIe as the
+    sum of both directions (``bidirectional_bandwidth``) and network ports (InfiniBand, Ethernet) per
+    direction in bits per second.
+    """
+
+    name: str
+    bandwidth: float
+    source: str
+
+    @property
+    def bidirectional_bandwidth(self) -> float:
+        return 2 * self.bandwidth
+
+
+_LINKS = (
+    Link("nvlink-2", 300 * GB / 2, "NVIDIA Tesla V100 datasheet: NVLink 300 GB/s, both directions (2017)"),
+    Link("nvlink-3", 600 * GB / 2, "NVIDIA A100 datasheet: NVLink 600 GB/s, both directions (2020)"),
+    Link("nvlink-4", 900 * GB / 2, "NVIDIA H100 datasheet: NVLink 900 GB/s, both directions (2022)"),
+    Link("nvlink-5", 1.8 * TB / 2, "NVIDIA Blackwell (HGX B200) specifications: NVLink 1.8 TB/s per GPU, "
+         "both directions (2025)"),
+    Link("nvlink-6", 3.6 * TB / 2, "NVIDIA Vera Rubin announcement: NVLink 6 3.6 TB/s per GPU, "
+         "both directions (2026)"),
+    Link("infinity-fabric-mi300x", 896 * GB / 2, "AMD Instinct MI300X datasheet: 7 Infinity Fabric links, "
+         "896 GB/s aggregate, both directions"),
+    Link("infiniband-hdr", 200e9 / 8, "NVIDIA ConnectX-6 HDR InfiniBand: 200 Gb/s per port, per direction"),
+    Link("infiniband-ndr", 400e9 / 8, "NVIDIA ConnectX-7 NDR InfiniBand: 400 Gb/s per port, per direction"),
+    Link("infiniband-xdr", 800e9 / 8, "NVIDIA ConnectX-8 XDR InfiniBand: 800 Gb/s per port, per direction"),
+    Link("roce-400gbe", 400e9 / 8, "NVIDIA ConnectX-7 400GbE (RoCE): 400 Gb/s per port, per direction"),
+    Link("pcie-4-x16", 64 * GB / 2, "PCI-SIG PCIe 4.0: 16 GT/s x 16 lanes = 64 GB/s both directions "
+         "(31.5 GB/s per direction after 128b/130b encoding)"),
+    Link("pcie-5-x16", 128 * GB / 2, "PCI-SIG PCIe 5.0: 32 GT/s x 16 lanes = 128 GB/s both directions "
+         "(63 GB/s per direction after 128b/130b encoding)"),
+)  # fmt: skip
+LINKS = MappingProxyType({link.name: link for link in _LINKS})
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator as its datasheet describes it.
+
+    ``peak_flops`` maps a dtype to dense peak FLOP/s: tensor-core (matrix) throughput for tf32, bf16,
+    fp16 and fp8, and ordinary (non-tensor) throughput for fp32. Datasheets print the tensor-core
+    figures "with sparsity" (2:4 structured), twice the dense rate; the values here are halved. A
+    dtype the chip cannot run on its matrix units is absent. ``hbm_bytes`` is the datasheet capacity
+    in decimal GB (the chips hold GiB, about 7 % more, minus what the driver reserves).
+    """
+
+    name: str
+    peak_flops: Mapping[str, float] = field(hash=False)  # a read-only mapping: entries are shared
+    hbm_bytes: int
+    hbm_bandwidth: float
+    intra_node_link: str
+    source: str
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak FLOP/s in ``dtype``."""
+        if dtype not in self.peak_flops:
+            raise ValueError(f"{self.name} has no {dtype!r} peak; choose one of {tuple(self.peak_flops)}")
+        return self.peak_flops[dtype]
+
+    @property
+    def intra_node_bandwidth(self) -> float:
+        """Per-direction bandwidth of this GPU's link to its node peers, B/s."""
+        return LINKS[self.intra_node_link].bandwidth
+
+
+def _hardware(name, peaks, hbm_gb, hbm_bandwidth, link, source) -> Hardware:
+    return Hardware(name, MappingProxyType(peaks), int(hbm_gb * GB), hbm_bandwidth, link, source)
+
+
+_HARDWARE = (
+    _hardware("v100-sxm2-32gb", {"fp32": 15.7 * TFLOPS, "fp16": 125 * TFLOPS}, 32, 900 * GB, "nvlink-2",
+              "NVIDIA Tesla V100 datasheet (SXM2): FP32 15.7 TFLOPS, Tensor 125 TFLOPS (FP16, no sparsity "
+              "support), 32 GB HBM2 at 900 GB/s, NVLink 300 GB/s"),
+    _hardware("a100-sxm4-40gb",
+              {"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS, "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
+              40, 1555 * GB, "nvlink-3",
+              "NVIDIA A100 Tensor Core GPU datasheet (SXM): FP32 19.5, TF32 156 (312 sparse), BF16/FP16 312 "
+              "(624 sparse) TFLOPS; 40 GB HBM2 at 1,555 GB/s; NVLink 600 GB/s"),
+    _hardware("a100-sxm4-80gb",
+              {"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS, "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
+              80, 2039 * GB, "nvlink-3",
+              "NVIDIA A100 Tensor Core GPU datasheet (SXM): FP32 19.5, TF32 156 (312 sparse), BF16/FP16 312 "
+              "(624 sparse) TFLOPS; 80 GB HBM2e at 2,039 GB/s; NVLink 600 GB/s"),
+    _hardware("h100-sxm",
+              {"fp32": 67 * TFLOPS, "tf32": 989 / 2 * TFLOPS, "bf16": 1979 / 2 * TFLOPS,
+               "fp16": 1979 / 2 * TFLOPS, "fp8": 3958 / 2 * TFLOPS},
+              80, 3.35 * TB, "nvlink-4",
+              "NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67, TF32 989, BF16/FP16 1,979, FP8 3,958 "
+              "TFLOPS with sparsity (dense is half); 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s"),
+    _hardware("h200",
+              {"fp32": 67 * TFLOPS, "tf32": 989 / 2 * TFLOPS, "bf16": 1979 / 2 * TFLOPS,
+               "fp16": 1979 / 2 * TFLOPS, "fp8": 3958 / 2 * TFLOPS},
+              141, 4.8 * TB, "nvlink-4",
+              "NVIDIA H200 Tensor Core GPU datasheet (SXM): FP32 67, TF32 989, BF16/FP16 1,979, FP8 3,958 "
+              "TFLOPS with sparsity (dense is half); 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s"),
+    _hardware("b200",
+              {"tf32": 18e15 / 8 / 2, "bf16": 36e15 / 8 / 2, "fp16": 36e15 / 8 / 2, "fp8": 72e15 / 8 / 2},
+              1440 / 8, 64 * TB / 8, "nvlink-5",
+              "NVIDIA DGX B200 datasheet / HGX B200 specifications, 8 GPUs: TF32 18, BF16/FP16 36, FP8 72 "
+              "PFLOPS with sparsity; 1,440 GB HBM3e at 64 TB/s; NVLink 1.8 TB/s per GPU. Per GPU: total / 8, "
+              "dense = half"),
+    _hardware("mi300x",
+              {"fp32": 163.4 * TFLOPS, "tf32": 653.7 * TFLOPS, "bf16": 1307.4 * TFLOPS,
+               "fp16": 1307.4 * TFLOPS, "fp8": 2614.9 * TFLOPS},
+              192, 5.3 * TB, "infinity-fabric-mi300x",
+              "AMD Instinct MI300X datasheet: FP32 163.4, TF32 653.7, BF16/FP16 1,307.4, FP8 2,614.9 TFLOPS "
+              "dense (sparsity doubles them); 192 GB HBM3 at 5.3 TB/s; Infinity Fabric 896 GB/s"),
+)  # fmt: skip
+HARDWARE = MappingProxyType({h.name: h for h in _HARDWARE})
+
+
+def _lookup(registry, kind: str, name: str):
+    if not isinstance(name, str) or name.lower() not in registry:
+        raise ValueError(f"unknown {kind} {name!r}; choose one of {', '.join(registry)}")
+    return registry[name.lower()]
+
+
+def get_model(name: str) -> ModelConfig:
+    """The published configuration called ``name`` (see :func:`list_models`)."""
+    return _lookup(MODELS, "model", name)
+
+
+def list_models() -> list[str]:
+    return list(MODELS)
+
+
+def get_hardware(name: str) -> Hardware:
+    """The accelerator called ``name`` (see :func:`list_hardware`)."""
+    return _lookup(HARDWARE, "hardware", name)
+
+
+def list_hardware() -> list[str]:
+    return list(HARDWARE)
+
+
+def get_link(name: str) -> Link:
+    """The interconnect called ``name`` (see :func:`list_links`)."""
+    return _lookup(LINKS, "link", name)
+
+
+def list_links() -> list[str]:
+    return list(LINKS)

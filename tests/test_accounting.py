@@ -1,0 +1,401 @@
+"""scalebook.accounting reproduces the published counts: parameters, bytes, FLOPs, GPUs and days."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import scalebook
+from scalebook import accounting, configs
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing below downloads; make sure nothing can
+
+GB = 1e9
+GPT_NAMES = [n for n in configs.list_models() if configs.get_model(n).arch == "gpt"]
+LLAMA_NAMES = [n for n in configs.list_models() if configs.get_model(n).arch == "llama"]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """(torch, transformers); models are built on the meta device, so no weights are allocated."""
+    return pytest.importorskip("torch"), pytest.importorskip("transformers")
+
+
+def hf_model(hf, cfg):
+    torch, transformers = hf
+    if cfg.arch == "gpt":
+        hf_config = transformers.GPT2Config(
+            vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model,
+            n_layer=cfg.n_layers, n_head=cfg.n_heads,
+        )  # fmt: skip
+        build = transformers.GPT2LMHeadModel
+    else:
+        hf_config = transformers.LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.n_kv_heads,
+            max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tied_embeddings,
+        )  # fmt: skip
+        build = transformers.LlamaForCausalLM
+    with torch.device("meta"):
+        return build(hf_config)
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize("name", GPT_NAMES)
+def test_gpt_param_count_matches_hf_gpt2lmheadmodel(hf, name):
+    # GPT-3 is GPT-2's architecture at other sizes, so HF's GPT-2 class builds every row of Table 2.1.
+    # parameters() yields the tied embedding / LM head matrix once.
+    cfg = configs.get_model(name)
+    assert accounting.param_count(cfg) == sum(p.numel() for p in hf_model(hf, cfg).parameters())
+
+
+@pytest.mark.parametrize("name", LLAMA_NAMES)
+def test_llama_param_count_matches_hf_llamaforcausallm(hf, name):
+    cfg = configs.get_model(name)
+    assert accounting.param_count(cfg) == sum(p.numel() for p in hf_model(hf, cfg).parameters())
+
+
+@pytest.mark.parametrize(
+    ("name", "published"),
+    [
+        ("gpt2", 124_439_808),  # openai-community/gpt2 on the HF Hub: "124M params"
+        ("gpt2-xl", 1_557_611_200),  # openai-community/gpt2-xl on the HF Hub: "1.56B params"
+        ("llama-2-7b", 6_738_415_616),  # meta-llama/Llama-2-7b-hf safetensors total
+        ("llama-3-8b", 8_030_261_248),  # meta-llama/Meta-Llama-3-8B safetensors total ("8.03B params")
+        ("llama-3.1-405b", 405_853_388_800),  # meta-llama/Llama-3.1-405B safetensors total ("406B params")
+    ],
+)
+def test_published_param_counts(name, published):
+    assert accounting.param_count(configs.get_model(name)) == published
+
+
+@pytest.mark.parametrize("name", configs.list_models())
+def test_breakdown_sums_to_the_count(name):
+    cfg = configs.get_model(name)
+    assert sum(accounting.param_breakdown(cfg).values()) == accounting.param_count(cfg)
+
+
+def test_gpt2_breakdown():
+    # V d = 50257 * 768, n_ctx d = 1024 * 768, 12 layers of 4 d^2 + 4 d (attention) and 8 d^2 + 5 d (MLP),
+    # 25 LayerNorms of 2 d, head tied to the embedding.
+    assert accounting.param_breakdown(configs.get_model("gpt2")) == {
+        "token embedding": 38_597_376,
+        "position embedding": 786_432,
+        "attention weights": 28_311_552,
+        "attention biases": 36_864,
+        "MLP weights": 56_623_104,
+        "MLP biases": 46_080,
+        "norms": 38_400,
+        "LM head": 0,
+    }
+
+
+@pytest.mark.parametrize("name", GPT_NAMES)
+def test_gpt_closed_form_omits_only_position_embeddings_and_final_layernorm(name):
+    cfg = configs.get_model(name)
+    omitted = accounting.param_count(cfg) - accounting.param_count_closed_form(cfg)
+    assert omitted == cfg.max_seq_len * cfg.d_model + 2 * cfg.d_model
+
+
+@pytest.mark.parametrize("name", LLAMA_NAMES)
+def test_llama_closed_form_omits_only_rmsnorm_weights(name):
+    cfg = configs.get_model(name)
+    omitted = accounting.param_count(cfg) - accounting.param_count_closed_form(cfg)
+    assert omitted == (2 * cfg.n_layers + 1) * cfg.d_model
+
+
+def test_closed_form_of_gpt3_175b():
+    # V d + L (12 d^2 + 13 d) = 50257 * 12288 + 96 * (12 * 12288^2 + 13 * 12288)
+    #                         = 617,558,016 + 96 * 1,812,099,072 = 174,579,068,928
+    assert accounting.param_count_closed_form(configs.get_model("gpt3-175b")) == 174_579_068_928
+
+
+# -------------------------------------------------------------------------------------------- model states
+
+
+def test_seed_gpt3_175b_memory_table():
+    # Seed slide "GPU HBM content during training", GPT-3 175B with N rounded to 175e9:
+    # fp32 parameters, Adam momentum and variance 700 GB each; 16-bit parameters and gradients 350 GB each.
+    states = accounting.model_state_bytes(175e9)
+    assert states.rows() == [
+        ("fp32 master parameters", 700 * GB),
+        ("Adam first moment", 700 * GB),
+        ("Adam second moment", 700 * GB),
+        ("16-bit parameters", 350 * GB),
+        ("16-bit gradients", 350 * GB),
+    ]
+    assert (states.params, states.grads) == (350 * GB, 350 * GB)
+    assert (states.optimizer, states.total) == (2100 * GB, 2800 * GB)
+
+
+@pytest.mark.parametrize(("stage", "gb_per_device"), [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure_1_example(stage, gb_per_device):
+    # Rajbhandari et al. 2020, Fig. 1: Psi = 7.5B, N_d = 64, K = 12:
+    # (2+2+K) Psi = 120 GB; 4 Psi + K Psi/N_d = 31.4 GB; 2 Psi + 14 Psi/N_d = 16.6 GB; 16 Psi/N_d = 1.9 GB.
+    total = accounting.model_state_bytes(7.5e9, zero_stage=stage, dp=64).total
+    assert total / GB == pytest.approx(gb_per_device, abs=0.05)
+
+
+def test_zero_stage_3_shards_every_row():
+    assert accounting.model_state_bytes(7.5e9, zero_stage=3, dp=64).total == 16 * 7.5e9 / 64
+
+
+@pytest.mark.parametrize(
+    ("billions", "bf16_gb", "fp32_grad_acc_gb"),
+    [(1, 16, 20), (7, 112, 140), (70, 1120, 1400), (405, 6480, 8100)],
+)
+def test_ultrascale_playbook_mixed_precision_totals(billions, bf16_gb, fp32_grad_acc_gb):
+    # Ultra-Scale Playbook, "Mixed precision training": 16 bytes per parameter (2 + 2 + 4 + 8), and
+    # 20 with an fp32 gradient accumulator (Nanotron).
+    n = billions * 1e9
+    assert accounting.model_state_bytes(n, precision="mixed").total == bf16_gb * GB
+    assert accounting.model_state_bytes(n, precision="fp32").total == bf16_gb * GB
+    assert accounting.model_state_bytes(n, precision="mixed-fp32-grads").total == fp32_grad_acc_gb * GB
+
+
+@pytest.mark.parametrize(
+    ("precision", "optimizer", "bytes_per_param"),
+    [
+        ("fp32", "adam", 16),
+        ("fp32", "sgd", 8),
+        ("fp32", "sgd-momentum", 12),
+        ("mixed", "sgd", 8),  # 2 + 2 + fp32 master 4
+        ("mixed", "sgd-momentum", 12),
+        ("mixed-fp32-grads", "adam", 20),
+    ],
+)
+def test_bytes_per_parameter_by_precision_and_optimizer(precision, optimizer, bytes_per_param):
+    states = accounting.model_state_bytes(1000, precision=precision, optimizer=optimizer)
+    assert states.total == 1000 * bytes_per_param
+
+
+def test_tensor_and_pipeline_parallelism_divide_every_row():
+    sharded = accounting.model_state_bytes(175e9, tp=8, pp=16, zero_stage=1, dp=4)
+    # 16-bit parameters and gradients: 2 * 175e9 / 128 each; optimizer: 12 * 175e9 / (128 * 4).
+    assert (sharded.params, sharded.grads, sharded.optimizer) == (2_734_375_000, 2_734_375_000, 4_101_562_500)
+
+
+def test_a_shard_that_does_not_divide_evenly_rounds_up():
+    assert accounting.model_state_bytes(1001, zero_stage=3, dp=2).params == 1001  # ceil(2 * 1001 / 2)
+    assert accounting.model_state_bytes(1001, zero_stage=3, dp=4).params == 501  # ceil(2002 / 4)
+
+
+def test_a_model_config_can_stand_for_its_parameter_count():
+    cfg = configs.get_model("llama-3-8b")
+    assert accounting.model_state_bytes(cfg) == accounting.model_state_bytes(accounting.param_count(cfg))
+
+
+# ------------------------------------------------------------------------------------------------ activations
+
+GPT3 = configs.get_model("gpt3-175b")
+SBH = 2048 * 1 * 12288  # s b h for GPT-3 175B, s = 2048, micro-batch 1
+# 5 a s / h = 5 * 96 * 2048 / 12288 = 80
+
+
+@pytest.mark.parametrize(
+    ("options", "bytes_per_layer"),
+    [
+        # Korthikanti et al. 2022: s b h (34 + 5 a s / h) = SBH * 114
+        (dict(), SBH * 114),
+        # tensor parallel t = 8: s b h (10 + 24/8 + 80/8) = SBH * 23
+        (dict(tp=8), SBH * 23),
+        # tensor + sequence parallel: s b h / 8 (34 + 80) = SBH * 14.25
+        (dict(tp=8, sp=True), SBH * 114 // 8),
+        # + selective recomputation: s b h / 8 * 34
+        (dict(tp=8, sp=True, recompute="selective"), SBH * 34 // 8),
+        # tensor parallel + selective recomputation: s b h (10 + 24/8)
+        (dict(tp=8, recompute="selective"), SBH * 13),
+        # full recomputation keeps the layer input, 2 s b h; sharded by SP
+        (dict(recompute="full"), SBH * 2),
+        (dict(tp=8, sp=True, recompute="full"), SBH * 2 // 8),
+    ],
+)
+def test_korthikanti_activation_memory_for_gpt3_175b(options, bytes_per_layer):
+    assert accounting.activation_bytes(GPT3, seq_len=2048, micro_batch=1, **options) == 96 * bytes_per_layer
+
+
+def test_gpt3_175b_without_parallelism_needs_275_gb_of_activations_per_sequence():
+    # 96 layers * 2048 * 12288 * 114 bytes = 275,414,777,856 bytes
+    assert accounting.activation_bytes(GPT3, seq_len=2048, micro_batch=1) == 275_414_777_856
+
+
+def test_selective_recomputation_saves_70_percent_for_gpt3_under_sp():
+    # 1 - 34 / (34 + 80) = 0.70
+    full = accounting.activation_bytes(GPT3, seq_len=2048, micro_batch=1, tp=8, sp=True)
+    selective = accounting.activation_bytes(
+        GPT3, seq_len=2048, micro_batch=1, tp=8, sp=True, recompute="selective"
+    )
+    assert 1 - selective / full == pytest.approx(0.70, abs=0.005)
+
+
+def test_activations_scale_linearly_with_micro_batch():
+    one = accounting.activation_bytes(GPT3, seq_len=2048, micro_batch=1)
+    assert accounting.activation_bytes(GPT3, seq_len=2048, micro_batch=4) == 4 * one
+
+
+def test_activations_without_dropout_and_in_fp32():
+    tiny = configs.gpt_like("tiny", vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=32)
+    s, b, h, a = 32, 3, 64, 4
+    # No dropout: 16 s b h elements and the softmax output a s^2 b, 2 bytes each.
+    assert accounting.activation_bytes(tiny, seq_len=s, micro_batch=b, dropout=False) == 2 * (
+        32 * s * b * h + 2 * a * s * s * b
+    )
+    # fp32 with dropout: 16 * 4 + 2 mask bytes per s b h; 2 * 4 + 1 per a s^2 b.
+    assert accounting.activation_bytes(tiny, seq_len=s, micro_batch=b, dtype_bytes=4) == 2 * (
+        66 * s * b * h + 9 * a * s * s * b
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ FLOPs
+
+
+def test_6nd_and_narayanans_count_agree_within_3_percent_for_gpt3_175b():
+    # Attention scores add s / (6h) = 2.8 %, the logits V / (12 L h) = 0.4 %;
+    # the embeddings inside 6ND's N take back 0.3 %.
+    six_nd = accounting.training_flops(GPT3, 300e9)
+    narayanan = accounting.training_flops_with_attention(GPT3, 300e9, seq_len=2048)
+    assert narayanan / six_nd == pytest.approx(1.0274, abs=1e-3)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_training_flops_with_attention_is_narayanans_equation(recompute):
+    # Narayanan et al. 2021, Sec. 5.1: one iteration of B sequences of length s costs
+    # 72 B s L h^2 (1 + s/(6h) + V/(12 L h)), or with recomputation 96 B s L h^2 (1 + s/(6h) + V/(16 L h)).
+    B, s, L, h, V = 1536, 2048, 96, 12288, 50257
+    if recompute:
+        expected = 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
+    else:
+        expected = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
+    got = accounting.training_flops_with_attention(GPT3, B * s, seq_len=s, recompute=recompute)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_full_recomputation_turns_6nd_into_8nd():
+    assert accounting.training_flops(175e9, 300e9) == 6 * 175e9 * 300e9
+    assert accounting.training_flops(175e9, 300e9, recompute=True) == 8 * 175e9 * 300e9
+
+
+def test_llama3_405b_pretraining_compute():
+    # Grattafiori et al. 2024 (The Llama 3 Herd of Models): 405B parameters on 15.6T tokens, 3.8e25 FLOPs.
+    flops = accounting.training_flops(configs.get_model("llama-3.1-405b"), 15.6e12)
+    assert flops == pytest.approx(3.8e25, rel=0.01)
+
+
+def test_flops_per_token_with_seq_len_counts_attention():
+    cfg = configs.get_model("llama-3-8b")
+    short, long = (accounting.flops_per_token(cfg, seq_len=s) for s in (2048, 4096))
+    # Each extra position adds 3 * 4 L h FLOPs per token.
+    assert long - short == 2048 * 3 * 4 * cfg.n_layers * cfg.d_model
+
+
+# ------------------------------------------------------------------------------------------- time and devices
+
+
+def test_seed_gpu_estimate_for_gpt3():
+    # Seed slide: 6 x 175B x 300B / 160 TFLOP/s / (3600 * 24 * 30 s) "= 800 GPUs needed".
+    # 6 * 175e9 * 300e9 = 3.15e23 FLOPs; one GPU over 30 days: 160e12 * 2,592,000 = 4.1472e20 FLOPs;
+    # 3.15e23 / 4.1472e20 = 759.55, so 760 GPUs, "about 800".
+    assert accounting.devices_needed(175e9, 300e9, days=30, peak_flops=160e12, mfu=1.0) == 760
+    # The same as 51 % of an A100's 312 TFLOP/s.
+    assert accounting.devices_needed(175e9, 300e9, days=30, peak_flops=312e12, mfu=160 / 312) == 760
+
+
+def test_narayanan_gpt3_training_time():
+    # Narayanan et al. 2021, Sec. 5.1: 8 T P / (n X) = 8 * 300e9 * 175e9 / (1024 * 140e12) s
+    # = 2,929,687.5 s = 33.9 days, "about 34 days" for GPT-3 on 1024 A100s at 140 TFLOP/s.
+    days = accounting.training_days(175e9, 300e9, 1024, 140e12, 1.0, recompute=True)
+    assert days == pytest.approx(33.91, abs=0.01)
+
+
+@pytest.mark.parametrize("seq_len", [None, 8192])
+def test_mfu_round_trip(seq_len):
+    cfg, tokens, n = configs.get_model("llama-3-8b"), 15e12, 1024
+    peak = configs.get_hardware("h100-sxm").peak("bf16")
+    days = accounting.training_days(cfg, tokens, n, peak, 0.4, seq_len=seq_len)
+    tokens_per_second = tokens / (days * 86_400)
+    assert accounting.mfu(cfg, tokens_per_second, n, peak, seq_len=seq_len) == pytest.approx(0.4, rel=1e-12)
+
+
+@pytest.mark.parametrize("n_devices", [1, 7, 1000, 16384])
+def test_devices_needed_inverts_training_days(n_devices):
+    cfg, peak = configs.get_model("llama-3.1-405b"), configs.get_hardware("h100-sxm").peak("bf16")
+    days = accounting.training_days(cfg, 15.6e12, n_devices, peak, 0.4)
+    assert accounting.devices_needed(cfg, 15.6e12, days, peak, 0.4) == n_devices
+
+
+# --------------------------------------------------------------------------------------------- guard rails
+
+
+def test_accounting_and_configs_import_without_torch():
+    package_root = str(Path(scalebook.__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+    }
+    code = "import sys, scalebook.accounting, scalebook.configs; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert result.stdout.strip() == "False"
+
+
+CFG = configs.get_model("gpt3-175b")
+BAD_INPUTS = [
+    (lambda: accounting.model_state_bytes(1e9, zero_stage=4), "zero_stage must be one of (0, 1, 2, 3)"),
+    (lambda: accounting.model_state_bytes(1e9, zero_stage=1, dp=0), "dp must be an integer >= 1"),
+    (lambda: accounting.model_state_bytes(1e9, tp=0), "tp must be an integer >= 1"),
+    (lambda: accounting.model_state_bytes(1e9, pp=-1), "pp must be an integer >= 1"),
+    (lambda: accounting.model_state_bytes(1e9, precision="fp16"),
+     "precision must be one of ('fp32', 'mixed', 'mixed-fp32-grads')"),
+    (lambda: accounting.model_state_bytes(1e9, optimizer="adamw"),
+     "optimizer must be one of ('adam', 'sgd', 'sgd-momentum')"),
+    (lambda: accounting.model_state_bytes(-5), "model must be a ModelConfig or a positive parameter count"),
+    (lambda: accounting.activation_bytes(CFG, seq_len=2048, micro_batch=1, recompute="some"),
+     "recompute must be one of ('none', 'selective', 'full')"),
+    (lambda: accounting.activation_bytes(CFG, seq_len=0, micro_batch=1), "seq_len must be an integer >= 1"),
+    (lambda: accounting.activation_bytes(CFG, seq_len=2048, micro_batch=0),
+     "micro_batch must be an integer >= 1"),
+    (lambda: accounting.activation_bytes(CFG, seq_len=2048, micro_batch=1, tp=5),
+     "tp (5) must divide n_heads (96) of gpt3-175b; "
+     "choose tp from [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]"),
+    (lambda: accounting.activation_bytes(CFG, seq_len=2050, micro_batch=1, tp=8, sp=True),
+     "seq_len (2050) must be divisible by tp (8)"),
+    (lambda: accounting.activation_bytes(CFG, seq_len=2048, micro_batch=1, sp="yes"), "sp must be one of"),
+    (lambda: accounting.activation_bytes(175e9, seq_len=2048, micro_batch=1), "expected a ModelConfig"),
+    (lambda: accounting.param_count("gpt2"),
+     "expected a ModelConfig (e.g. scalebook.configs.get_model('gpt2'))"),
+    (lambda: accounting.param_count_closed_form(None), "expected a ModelConfig"),
+    (lambda: accounting.training_flops(CFG, 0), "tokens must be a positive number"),
+    (lambda: accounting.training_flops_with_attention(CFG, 1e9, seq_len=0),
+     "seq_len must be an integer >= 1"),
+    (lambda: accounting.flops_per_token(175e9, seq_len=2048), "expected a ModelConfig"),
+    (lambda: accounting.flops_per_token(CFG, recompute="full"), "recompute must be one of (False, True)"),
+    (lambda: accounting.mfu(CFG, 1e6, 0, 1e15), "n_devices must be an integer >= 1"),
+    (lambda: accounting.mfu(CFG, -1, 8, 1e15), "tokens_per_second must be a positive number"),
+    (lambda: accounting.training_days(CFG, 1e12, 8, 1e15, 1.5), "mfu is a fraction of peak, at most 1"),
+    (lambda: accounting.training_days(CFG, 1e12, 8, 1e15, 0), "mfu must be a positive number"),
+    (lambda: accounting.training_days(CFG, 1e12, 8, -1e15, 0.4), "peak_flops must be a positive number"),
+    (lambda: accounting.devices_needed(CFG, 1e12, 0, 1e15, 0.4), "days must be a positive number"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "message"), BAD_INPUTS)
+def test_bad_input_raises_one_value_error_that_says_what_to_change(call, message):
+    with pytest.raises(ValueError) as error:
+        call()
+    assert message in str(error.value)
+
+
+def test_every_problem_is_reported_in_the_same_error():
+    with pytest.raises(ValueError) as error:
+        accounting.model_state_bytes(1e9, zero_stage=5, dp=0, precision="fp8")
+    assert all(word in str(error.value) for word in ("zero_stage", "dp", "precision"))
+
+
+def test_a_user_defined_model_needs_no_headline_size():
+    tiny = dataclasses.replace(configs.get_model("gpt2"), name="tiny", n_layers=1, nominal_params=None)
+    assert accounting.param_count(tiny) == 124_439_808 - 11 * (12 * 768**2 + 13 * 768)

@@ -1,0 +1,206 @@
+"""The published model shapes, accelerators and links in scalebook.configs, checked against their sources."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from scalebook import accounting, configs
+
+GPT2_FAMILY = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
+GPT3_TABLE_2_1 = [f"gpt3-{size}" for size in ("125m", "350m", "760m", "1.3b", "2.7b", "6.7b", "13b", "175b")]
+LLAMAS = ["llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b", "llama-3.1-405b"]
+
+
+def _models(names):
+    return [(name, configs.get_model(name)) for name in names]
+
+
+def test_every_published_family_is_listed():
+    assert configs.list_models() == GPT2_FAMILY + GPT3_TABLE_2_1 + LLAMAS
+
+
+@pytest.mark.parametrize("name", GPT2_FAMILY + GPT3_TABLE_2_1 + LLAMAS)
+def test_every_model_cites_its_source_and_headline_size(name):
+    cfg = configs.get_model(name)
+    assert cfg.name == name
+    assert any(paper in cfg.source for paper in ("Radford", "Brown", "Touvron", "Grattafiori"))
+    assert cfg.nominal_params > 0
+
+
+@pytest.mark.parametrize("name", GPT2_FAMILY + GPT3_TABLE_2_1 + LLAMAS)
+def test_every_shape_lands_within_7_percent_of_its_headline_size(name):
+    # A typo in a width or a layer count moves the exact count far from the paper's "175B".
+    # (The widest gap is GPT-2 small: the paper says 117M, the released model has 124M.)
+    cfg = configs.get_model(name)
+    assert accounting.param_count(cfg) == pytest.approx(cfg.nominal_params, rel=0.07)
+
+
+def test_gpt2_shapes_match_hf_config_json():
+    # openai-community/gpt2*/config.json: n_embd, n_layer, n_head; n_positions 1024, vocab_size 50257.
+    shapes = {name: (cfg.d_model, cfg.n_layers, cfg.n_heads) for name, cfg in _models(GPT2_FAMILY)}
+    assert shapes == {
+        "gpt2": (768, 12, 12),
+        "gpt2-medium": (1024, 24, 16),
+        "gpt2-large": (1280, 36, 20),
+        "gpt2-xl": (1600, 48, 25),
+    }
+    for name in GPT2_FAMILY:
+        cfg = configs.get_model(name)
+        assert (cfg.vocab_size, cfg.max_seq_len, cfg.tied_embeddings, cfg.bias) == (50257, 1024, True, True)
+
+
+def test_gpt3_175b_is_table_2_1s_last_row():
+    cfg = configs.get_model("gpt3-175b")
+    # Brown et al. 2020, Table 2.1: n_layers 96, d_model 12288, n_heads 96, d_head 128, n_ctx 2048.
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_head, cfg.max_seq_len) == (96, 12288, 96, 128, 2048)
+    assert (cfg.vocab_size, cfg.d_ff, cfg.nominal_params) == (50257, 4 * 12288, 175e9)
+
+
+def test_gpt3_table_rows_keep_the_printed_d_head():
+    # Table 2.1's d_head column: 64, 64, 96, 128, 80, 128, 128, 128.
+    assert [configs.get_model(n).d_head for n in GPT3_TABLE_2_1] == [64, 64, 96, 128, 80, 128, 128, 128]
+
+
+def test_llama_shapes_match_hf_config_json():
+    # meta-llama config.json: vocab_size, hidden_size, num_hidden_layers, num_attention_heads,
+    # num_key_value_heads, intermediate_size.
+    shapes = {
+        name: (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff)
+        for name, cfg in _models(LLAMAS)
+    }
+    assert shapes == {
+        "llama-2-7b": (32000, 4096, 32, 32, 32, 11008),
+        "llama-2-13b": (32000, 5120, 40, 40, 40, 13824),
+        "llama-2-70b": (32000, 8192, 80, 64, 8, 28672),
+        "llama-3-8b": (128256, 4096, 32, 32, 8, 14336),
+        "llama-3-70b": (128256, 8192, 80, 64, 8, 28672),
+        "llama-3.1-405b": (128256, 16384, 126, 128, 8, 53248),
+    }
+    for name in LLAMAS:
+        cfg = configs.get_model(name)
+        assert (cfg.norm, cfg.mlp, cfg.bias, cfg.tied_embeddings) == ("rmsnorm", "swiglu", False, False)
+
+
+def test_model_configs_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        configs.get_model("gpt2").n_layers = 2
+
+
+def test_gpt_config_kwargs_build_the_books_gpt_with_hf_gpt2s_parameter_count():
+    torch = pytest.importorskip("torch")
+    from scalebook.model import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**configs.get_model("gpt2").gpt_config_kwargs()))
+    assert sum(p.numel() for p in model.parameters()) == 124_439_808
+
+
+def test_from_gpt_config_reads_a_gpt_config_back():
+    cfg = configs.get_model("gpt2-medium")
+    back = configs.ModelConfig.from_gpt_config(SimpleNamespace(**cfg.gpt_config_kwargs()), name="gpt2-medium")
+    assert dataclasses.replace(back, source=cfg.source, nominal_params=cfg.nominal_params) == cfg
+
+
+def test_gpt_config_kwargs_refuse_a_llama():
+    with pytest.raises(ValueError, match="gpt2"):
+        configs.get_model("llama-3-8b").gpt_config_kwargs()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(d_model=0), "d_model must be a positive integer"),
+        (dict(n_layers=-2), "n_layers must be a positive integer"),
+        (dict(vocab_size=50257.0), "vocab_size must be a positive integer"),
+        (dict(arch="bert"), "arch must be one of ('gpt', 'llama')"),
+        (dict(norm="batchnorm"), "norm must be one of ('layernorm', 'rmsnorm')"),
+        (dict(mlp="relu"), "mlp must be one of ('gelu', 'swiglu')"),
+        (dict(n_heads=7), "d_model (768) must be divisible by n_heads (7)"),
+        (dict(n_kv_heads=5), "must be a multiple of n_kv_heads (5)"),
+        (dict(nominal_params=-1), "nominal_params must be positive"),
+    ],
+)
+def test_bad_model_config_says_what_to_change(change, message):
+    with pytest.raises(ValueError, match="invalid ModelConfig") as error:
+        dataclasses.replace(configs.get_model("gpt2"), **change)
+    assert message in str(error.value)
+
+
+def test_every_problem_of_a_model_config_is_reported_at_once():
+    with pytest.raises(ValueError) as error:
+        dataclasses.replace(configs.get_model("gpt2"), d_model=-1, arch="rnn")
+    assert "d_model" in str(error.value) and "arch" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("lookup", "choice"),
+    [(configs.get_model, "llama-3-8b"), (configs.get_hardware, "h100-sxm"), (configs.get_link, "nvlink-4")],
+)
+def test_unknown_names_list_the_valid_choices(lookup, choice):
+    with pytest.raises(ValueError, match="choose one of") as error:
+        lookup("gpt-5")
+    assert choice in str(error.value)
+
+
+def test_required_hardware_is_listed():
+    assert set(configs.list_hardware()) >= {
+        "v100-sxm2-32gb", "a100-sxm4-40gb", "a100-sxm4-80gb", "h100-sxm", "h200", "b200", "mi300x"
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["v100-sxm2-32gb", "a100-sxm4-40gb", "a100-sxm4-80gb", "h100-sxm", "h200",
+                                  "b200", "mi300x"])  # fmt: skip
+def test_hardware_cites_a_datasheet_and_knows_its_link(name):
+    hw = configs.get_hardware(name)
+    assert "datasheet" in hw.source
+    assert set(hw.peak_flops) <= set(configs.DTYPES)
+    assert hw.hbm_bytes > 0 and hw.hbm_bandwidth > 0
+    assert hw.intra_node_bandwidth == configs.get_link(hw.intra_node_link).bandwidth
+
+
+@pytest.mark.parametrize("name", ["a100-sxm4-80gb", "h100-sxm", "h200", "b200", "mi300x"])
+def test_dense_tensor_peaks_double_with_each_halving_of_precision(name):
+    # A sparse figure slipped in among dense ones would break this ladder.
+    peak = configs.get_hardware(name).peak_flops
+    assert peak["bf16"] == pytest.approx(2 * peak["tf32"], rel=1e-3)
+    assert peak["fp16"] == peak["bf16"]
+    if "fp8" in peak:
+        assert peak["fp8"] == pytest.approx(2 * peak["bf16"], rel=1e-3)
+
+
+def test_datasheet_numbers():
+    a100, h100, mi300x = (configs.get_hardware(n) for n in ("a100-sxm4-80gb", "h100-sxm", "mi300x"))
+    # A100 datasheet: BF16 312 TFLOPS dense, 80 GB HBM2e at 2,039 GB/s.
+    assert (a100.peak("bf16"), a100.hbm_bytes, a100.hbm_bandwidth) == (312e12, 80e9, 2039e9)
+    # H100 SXM datasheet: BF16 1,979 TFLOPS with sparsity, 80 GB HBM3 at 3.35 TB/s.
+    assert (h100.peak("bf16"), h100.hbm_bytes, h100.hbm_bandwidth) == (1979e12 / 2, 80e9, 3.35e12)
+    # MI300X datasheet: BF16 1,307.4 TFLOPS dense, 192 GB HBM3 at 5.3 TB/s.
+    assert (mi300x.peak("bf16"), mi300x.hbm_bytes, mi300x.hbm_bandwidth) == (1307.4e12, 192e9, 5.3e12)
+    assert configs.get_hardware("h100-sxm").intra_node_bandwidth == 450e9
+
+
+def test_a_dtype_the_chip_lacks_names_the_ones_it_has():
+    with pytest.raises(ValueError, match=r"no 'bf16' peak; choose one of \('fp32', 'fp16'\)"):
+        configs.get_hardware("v100-sxm2-32gb").peak("bf16")
+
+
+def test_nvlink_generations_as_the_seed_quotes_them():
+    # NVLink 3.0 600 GB/s (2020), 4.0 900 GB/s (2022), 5.0 1.8 TB/s (2025), 6.0 3.6 TB/s (2026):
+    # vendor figures add both directions.
+    bidirectional = [configs.get_link(f"nvlink-{g}").bidirectional_bandwidth for g in (3, 4, 5, 6)]
+    assert bidirectional == [600e9, 900e9, 1.8e12, 3.6e12]
+
+
+def test_network_ports_are_per_direction_and_pcie_is_both():
+    assert configs.get_link("infiniband-ndr").bandwidth == 400e9 / 8  # 400 Gb/s each way
+    assert configs.get_link("roce-400gbe").bandwidth == 50e9
+    assert configs.get_link("pcie-5-x16").bidirectional_bandwidth == 128e9
+    assert configs.get_link("pcie-5-x16").bandwidth == 64e9
+
+
+def test_required_links_are_listed():
+    assert set(configs.list_links()) >= {
+        "nvlink-3", "nvlink-4", "nvlink-5", "nvlink-6", "infiniband-hdr", "infiniband-ndr", "infiniband-xdr",
+        "pcie-4-x16", "pcie-5-x16", "roce-400gbe",
+    }  # fmt: skip
