@@ -9,7 +9,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 export MPLBACKEND := Agg
 
-.PHONY: book test lab bench clean venv
+.PHONY: book test lab bench clean venv notebooks
 
 venv: $(STAMP)
 
@@ -26,9 +26,14 @@ book: $(STAMP)
 	@echo
 	@echo "The book is built. Open file://$(CURDIR)/_build/html/index.html"
 
-## test: unit tests, distributed tests, nbval over every notebook, the book build and the browser checks
+## test: nbval over every notebook first, then unit and distributed tests, the book build (from the
+## committed outputs, so nothing executes twice) and the browser checks
 test: $(STAMP)
-	$(BIN)/python -m pytest tests notebooks --nbval-lax-off
+	$(BIN)/python -m pytest notebooks tests --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+
+## notebooks: re-execute every chapter and save it with its outputs (commit the result)
+notebooks: $(STAMP)
+	$(BIN)/python -m scalebook.notebook notebooks/*.ipynb
 
 ## lab: JupyterLab on the notebooks
 lab: $(STAMP)

@@ -1,0 +1,166 @@
+"""The book's benchmarks: each entry is a ratio measured side by side in one run on this machine.
+
+    python bench/run.py [--only NAME ...] [--repeats N]
+
+Writes bench/results.json (machine description + entries) and prints a table. Not part of `make test`:
+timings belong here, not in assertions. Add an entry by writing a function that returns a dict with
+``name``, ``ours``, ``reference``, ``unit``, ``ratio`` (ours / reference) and ``note``, and listing it in
+BENCHMARKS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _train_step_seconds(model, loss_fn, steps: int) -> list[float]:
+    """Wall time of ``steps`` full training steps (forward, backward, AdamW) of ``loss_fn(model)``."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    times = []
+    for _ in range(steps + 1):  # the first step allocates optimizer state: discarded
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model).backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
+def bench_training_throughput(repeats: int) -> dict:
+    """Tokens/s of our GPT vs Hugging Face's GPT2LMHeadModel with identical weights and batch."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from scalebook.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig.named("tiny")
+    hf = GPT2LMHeadModel(
+        GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
+                   n_layer=cfg.n_layer, n_head=cfg.n_head, bos_token_id=255, eos_token_id=255,
+                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    )
+    ours = {impl: GPT.from_hf(hf, attn_impl=impl) for impl in ("explicit", "sdpa")}
+    batch_size, seq = 16, cfg.block_size
+    idx = torch.randint(0, cfg.vocab_size, (batch_size, seq + 1), generator=torch.Generator().manual_seed(0))
+    x, y = idx[:, :-1], idx[:, 1:]
+    hf.train()
+    # The same batch and the same loss for all three.
+    steps = {
+        "explicit": lambda m: m(x, y)[1],
+        "sdpa": lambda m: m(x, y)[1],
+        "hf": lambda m: F.cross_entropy(m(x).logits.reshape(-1, cfg.vocab_size), y.reshape(-1)),
+    }
+    models = {**ours, "hf": hf}
+    samples = {k: [] for k in steps}
+    for _ in range(repeats):  # interleave so drifts in machine load hit all three alike
+        for key, loss_fn in steps.items():
+            samples[key] += _train_step_seconds(models[key], loss_fn, 5)
+    tokens = batch_size * seq
+    tps = {k: tokens / statistics.median(v) for k, v in samples.items()}
+    return [
+        {
+            "name": f"train step tokens/s, ours ({impl}) vs HF GPT-2, tiny size",
+            "ours": round(tps[impl]),
+            "reference": round(tps["hf"]),
+            "unit": "tokens/s",
+            "ratio": tps[impl] / tps["hf"],
+            "note": "forward + backward + AdamW on one 16x128 batch, median step; ratio > 1 means ours is faster",
+        }
+        for impl in ("explicit", "sdpa")
+    ]
+
+
+def bench_notebooks(repeats: int) -> list[dict]:
+    """Seconds to execute each chapter top to bottom vs the 120 s budget."""
+    from scalebook.notebook import execute_notebook
+
+    entries = []
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        seconds = min(execute_notebook(path, write=False) for _ in range(max(1, repeats // 3)))
+        entries.append(
+            {
+                "name": f"notebook {path.name}",
+                "ours": round(seconds, 1),
+                "reference": 120,
+                "unit": "s",
+                "ratio": seconds / 120,
+                "note": "execution time / budget (must stay below 1)",
+            }
+        )
+    return entries
+
+
+BENCHMARKS = {"training": bench_training_throughput, "notebooks": bench_notebooks}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", choices=sorted(BENCHMARKS), help="run only these benchmarks")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per measurement")
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results.json")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+
+    import torch
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    results = {"machine": machine(), "entries": []}
+    for name in args.only or BENCHMARKS:
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        out = BENCHMARKS[name](args.repeats)
+        results["entries"] += out if isinstance(out, list) else [out]
+
+    tmp = args.output.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(args.output)
+
+    m = results["machine"]
+    print(f"\n{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)")
+    width = max(len(e["name"]) for e in results["entries"])
+    print(f"{'benchmark':<{width}}  {'ours':>10}  {'reference':>10}  {'unit':<8}  ratio")
+    for e in results["entries"]:
+        print(f"{e['name']:<{width}}  {e['ours']:>10}  {e['reference']:>10}  {e['unit']:<8}  {e['ratio']:.2f}")
+    print(f"\nwritten to {args.output.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
