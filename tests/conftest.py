@@ -1,0 +1,97 @@
+"""Shared fixtures of tests/test_book.py and tests/test_browser.py: the offline book build."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+JUPYTER_BOOK = Path(sys.executable).with_name("jupyter-book")
+BUILD_TIMEOUT_S = 900
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+PROBLEM = re.compile(r"WARNING|ERROR|SEVERE|CRITICAL|Exception|Traceback|Error:")
+
+
+def toc_pages() -> list[str]:
+    """The built page (path of the .html file) of every entry of _toc.yml, in order."""
+    toc = yaml.safe_load((REPO / "_toc.yml").read_text(encoding="utf8"))
+    files: list[str] = [toc["root"]]
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "file" in node:
+                files.append(node["file"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk({key: value for key, value in toc.items() if key != "root"})
+    return list(dict.fromkeys(str(Path(f).with_suffix("")) + ".html" for f in files))
+
+
+def _build_book(src: Path, out: Path, config_overrides: dict | None = None) -> Path:
+    """Build the Jupyter Book in ``src`` from the notebooks' committed outputs, into ``out``.
+
+    Execution is switched off through a copy of ``src/_config.yml`` (plus ``config_overrides``,
+    merged at the top level and into ``sphinx.config``), warnings are errors, and the test fails
+    with the build log if the build does. Returns the ``_build/html`` folder.
+    """
+    config = yaml.safe_load((src / "_config.yml").read_text(encoding="utf8"))
+    config.setdefault("execute", {})["execute_notebooks"] = "off"
+    overrides = dict(config_overrides or {})
+    sphinx_overrides = overrides.pop("sphinx_config", {})
+    config.update(overrides)
+    config.setdefault("sphinx", {}).setdefault("config", {}).update(sphinx_overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "_config.offline.yml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf8")
+
+    cmd = [str(JUPYTER_BOOK), "build", str(src), "--config", str(config_path),
+           "--path-output", str(out), "-W", "-n", "--keep-going"]
+    env = dict(os.environ, PYDEVD_DISABLE_FILE_VALIDATION="1", MPLBACKEND="Agg")
+    started = time.monotonic()
+    proc = subprocess.run(cmd, cwd=src, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=BUILD_TIMEOUT_S)
+    elapsed = time.monotonic() - started
+    log_path = out / "build.log"
+    log_path.write_text(proc.stdout, encoding="utf8")
+    html = out / "_build" / "html"
+    if proc.returncode != 0 or not (html / "index.html").is_file():
+        lines = [ANSI.sub("", line) for line in proc.stdout.splitlines()]
+        problems = [line for line in lines if PROBLEM.search(line)]
+        pytest.fail(f"jupyter-book build failed (exit {proc.returncode}, {elapsed:.1f} s): "
+                    f"{' '.join(cmd)}\n--- warnings and errors ---\n" + "\n".join(problems[:60])
+                    + "\n--- end of the log ---\n" + "\n".join(lines[-15:])
+                    + f"\n(full log: {log_path})", pytrace=False)
+    print(f"\n[book] built {src.name} in {elapsed:.1f} s -> {html}")
+    return html
+
+
+@pytest.fixture(scope="session")
+def book_html(tmp_path_factory) -> Path:
+    """The book, built once per session from the committed notebook outputs (no execution).
+
+    Set BOOK_HTML_DIR to an already built site (e.g. ``_build/html`` after ``make book``) to test
+    that instead of building.
+    """
+    existing = os.environ.get("BOOK_HTML_DIR")
+    if existing:
+        html = Path(existing).resolve()
+        assert (html / "index.html").is_file(), f"BOOK_HTML_DIR={existing} holds no built book"
+        return html
+    return _build_book(REPO, tmp_path_factory.mktemp("book"))
+
+
+@pytest.fixture(scope="session")
+def build_book():
+    """``build_book(src, out, config_overrides=None) -> html folder``, for extra test books."""
+    return _build_book
