@@ -51,6 +51,9 @@ def _build_book(src: Path, out: Path, config_overrides: dict | None = None) -> P
     sphinx_overrides = overrides.pop("sphinx_config", {})
     config.update(overrides)
     config.setdefault("sphinx", {}).setdefault("config", {}).update(sphinx_overrides)
+    # Jupyter Book resolves local extension paths against the config file's folder, which is `out`.
+    local = config["sphinx"].get("local_extensions") or {}
+    config["sphinx"]["local_extensions"] = {name: str((src / path).resolve()) for name, path in local.items()}
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "_config.offline.yml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf8")

@@ -493,6 +493,7 @@ def widget_site(tmp_path_factory, build_book):
     _widget_notebook(src / "widgets.ipynb")
     (src / "_toc.yml").write_text("format: jb-book\nroot: widgets\n", encoding="utf8")
     shutil.copy(REPO / "_config.yml", src / "_config.yml")
+    shutil.copytree(REPO / "book" / "_ext", src / "book" / "_ext")  # the config's local extensions
     html = build_book(src, tmp_path_factory.mktemp("widget-build"), {
         "bibtex_bibfiles": [str(REPO / "book" / "references.bib")],
         "sphinx_config": {"html_static_path": [str(REPO / "book" / "_vendor" / "static")]},

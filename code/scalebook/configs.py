@@ -384,6 +384,7 @@ def get_model(name: str) -> ModelConfig:
 
 
 def list_models() -> list[str]:
+    """Names of every model ``get_model`` knows, in registry order."""
     return list(MODELS)
 
 
@@ -393,6 +394,7 @@ def get_hardware(name: str) -> Hardware:
 
 
 def list_hardware() -> list[str]:
+    """Names of every accelerator ``get_hardware`` knows, in registry order."""
     return list(HARDWARE)
 
 
@@ -402,4 +404,5 @@ def get_link(name: str) -> Link:
 
 
 def list_links() -> list[str]:
+    """Names of every interconnect ``get_link`` knows, in registry order."""
     return list(LINKS)
