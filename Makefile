@@ -7,7 +7,6 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
-export MPLBACKEND := Agg
 
 .PHONY: book test lab bench clean venv notebooks
 

@@ -107,6 +107,49 @@ def bench_training_throughput(repeats: int) -> dict:
     ]
 
 
+def bench_tokenizer_encode(repeats: int) -> list[dict]:
+    """MB/s encoding the embedded corpus: our byte-level BPE vs HF tokenizers with the same merges."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from scalebook import data
+    from scalebook.tokenizer import BPETokenizer
+
+    text = data.default_corpus()
+    ours = BPETokenizer.train(text, 4096)
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=4096, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
+        show_progress=False))
+    hf_json = hf.to_str()
+    our_merges = [[ours.token_str(a), ours.token_str(b)] for a, b in ours.merges]
+    if our_merges != json.loads(hf_json)["model"]["merges"]:
+        raise RuntimeError("our merges differ from HF's: run tests/test_tokenizer.py")
+    mb = len(text.encode("utf-8")) / 1e6
+    entries = []
+    for label, texts in [("whole corpus", [text]), ("line by line", text.splitlines(keepends=True))]:
+        seconds = {"ours": [], "hf": []}
+        for _ in range(repeats):  # interleaved; fresh tokenizers, so every run starts with an empty cache
+            ours_fresh, hf_fresh = BPETokenizer(ours.merges), Tokenizer.from_str(hf_json)
+            encoders = {"ours": ours_fresh.encode, "hf": lambda t, tok=hf_fresh: tok.encode(t).ids}
+            for key, encode in encoders.items():
+                start = time.perf_counter()
+                for t in texts:
+                    encode(t)
+                seconds[key].append(time.perf_counter() - start)
+        speed = {key: mb / statistics.median(values) for key, values in seconds.items()}
+        entries.append({
+            "name": f"BPE encode ({label}), ours vs HF tokenizers, V = 4096",
+            "ours": round(speed["ours"], 2), "reference": round(speed["hf"], 2), "unit": "MB/s",
+            "ratio": speed["ours"] / speed["hf"],
+            "note": "cold cache, identical merges and ids; ratio > 1 means ours is faster",
+        })
+    return entries
+
+
 def bench_notebooks(repeats: int) -> list[dict]:
     """Seconds to execute each chapter top to bottom vs the 120 s budget."""
     from scalebook.notebook import execute_notebook
@@ -127,7 +170,11 @@ def bench_notebooks(repeats: int) -> list[dict]:
     return entries
 
 
-BENCHMARKS = {"training": bench_training_throughput, "notebooks": bench_notebooks}
+BENCHMARKS = {
+    "training": bench_training_throughput,
+    "tokenizer": bench_tokenizer_encode,
+    "notebooks": bench_notebooks,
+}
 
 
 def main(argv=None) -> int:

@@ -7,13 +7,19 @@ Submodules are imported lazily so that ``import scalebook`` stays cheap and the 
 Modules
 -------
 data        the embedded default corpus, token streams and (input, target) batches
+tokenizer   byte-level BPE from scratch, identical to Hugging Face tokenizers' trainer
+positions   learned, sinusoidal and rotary position encodings
+embeddings  sentence embeddings with the packaged MiniLM encoder
+attention   scaled dot-product and multi-head attention from scratch, and their costs
 model       a GPT decoder from scratch, with Hugging Face GPT-2 weight import and export
 train       a single-device training loop (gradient accumulation, bf16 autocast, checkpointing)
 measure     measured counterparts of the accounting formulas (bytes held, step time)
 accounting  closed-form parameter, memory, FLOP and time arithmetic (pure Python)
 configs     published model and hardware configurations
 dist        launching functions on N ranks, environment detection
+generate    greedy, temperature, top-k and top-p sampling
 plots       the book's matplotlib figures
+widgets     ipywidgets calculators and explorers (with static fallbacks in the book)
 notebook    helpers for the chapters (showing package source, reproducibility)
 """
 
@@ -23,15 +29,20 @@ __version__ = "0.1.0"
 
 _SUBMODULES = (
     "accounting",
+    "attention",
     "configs",
     "data",
     "dist",
+    "embeddings",
     "generate",
     "measure",
     "model",
     "notebook",
     "plots",
+    "positions",
+    "tokenizer",
     "train",
+    "widgets",
 )
 
 

@@ -1,15 +1,77 @@
 """Autoregressive sampling: feed the model its own predictions one token at a time.
 
-At every step the logits of the last position become a distribution over the next token. Temperature
-``0`` means greedy (argmax); otherwise logits are divided by the temperature and, with ``top_k``, all but
-the ``k`` largest are discarded before sampling.
+At every step the logits ``z`` of the last position become a distribution over the next token,
+in the order Hugging Face's ``generate`` applies its logits processors:
 
-Source: Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration" (sampling strategies).
+    temperature   z / T                       T -> 0 approaches greedy (argmax); T = 0 *is* greedy
+    top-k         keep the k largest logits   (ties with the k-th are kept too)
+    top-p         keep the smallest set of tokens, most probable first, whose probability mass
+                  reaches p (always at least the most probable token), measured after top-k
+    softmax       over what is left; the discarded tokens get probability exactly 0
+
+:func:`logits_to_probs` is that pipeline, :func:`generate` samples from it (or takes the argmax when
+``temperature == 0``), and :func:`complete` wraps both for text in, text out.
+
+Source: Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration" (nucleus sampling);
+Hugging Face transformers, ``generation/logits_process.py`` (TemperatureLogitsWarper,
+TopKLogitsWarper, TopPLogitsWarper).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def check_sampling_args(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None) -> None:
+    """Raise one ValueError listing every sampling argument that is out of range."""
+    problems = []
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature >= 0
+            and math.isfinite(temperature)):
+        problems.append(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        problems.append(f"top_k must be a positive integer or None (no top-k), got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and not isinstance(top_p, bool)
+                                  and 0 < top_p <= 1):
+        problems.append(f"top_p must be in (0, 1] or None (no nucleus cut), got {top_p!r}")
+    if problems:
+        raise ValueError("invalid sampling arguments: " + "; ".join(problems))
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """Set to ``-inf`` every logit that top-k, then top-p, discards (last dimension = vocabulary)."""
+    check_sampling_args(top_k=top_k, top_p=top_p)
+    if top_k is not None and top_k < logits.size(-1):
+        kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # A token is dropped when the tokens ranked above it already hold at least p of the mass;
+        # the most probable token has nothing above it, so it is always kept.
+        mass_above = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_above >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def logits_to_probs(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
+    """The next-token distribution the sampler draws from: temperature, top-k, top-p, softmax.
+
+    ``temperature == 0`` returns the greedy choice as a one-hot distribution (the limit T -> 0).
+    """
+    check_sampling_args(temperature, top_k, top_p)
+    logits = logits.float()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.size(-1)).to(logits.dtype)
+    return torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
 
 
 @torch.no_grad()
@@ -20,13 +82,19 @@ def generate(
     *,
     temperature: float = 1.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Extend each row of ``idx`` (batch, time) by ``max_new_tokens`` tokens; returns the full sequences."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be a positive integer or None, got {top_k}")
+    """Extend each row of ``idx`` (batch, time) by ``max_new_tokens`` tokens; returns the full sequences.
+
+    ``temperature=0`` is greedy decoding. Otherwise each token is drawn with ``torch.multinomial`` from
+    :func:`logits_to_probs`, using ``generator`` (or torch's global generator when it is None).
+    """
+    check_sampling_args(temperature, top_k, top_p)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if idx.dim() != 2 or idx.size(1) == 0:
+        raise ValueError(f"idx must be a (batch, time) tensor with at least one token, got shape {tuple(idx.shape)}")
     was_training = model.training
     model.eval()
     block_size = model.config.block_size
@@ -36,11 +104,8 @@ def generate(
         if temperature == 0:
             next_token = logits.argmax(dim=-1, keepdim=True)
         else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+            probs = logits_to_probs(logits, temperature, top_k, top_p)
+            next_token = torch.multinomial(probs, 1, generator=generator)
         idx = torch.cat([idx, next_token], dim=1)
     model.train(was_training)
     return idx
@@ -54,10 +119,13 @@ def complete(
     *,
     temperature: float = 0.8,
     top_k: int | None = 40,
+    top_p: float | None = None,
     seed: int = 0,
 ) -> str:
     """Continue ``prompt`` as text: encode, :func:`generate` with a seeded generator, decode."""
     idx = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long)
     generator = torch.Generator().manual_seed(seed)
-    out = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+    out = generate(
+        model, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+    )
     return tokenizer.decode(out[0].tolist())

@@ -1,18 +1,38 @@
-"""Measured counterparts of the accounting formulas: count the bytes real tensors hold.
+"""Measured counterparts of the accounting formulas: bytes held, bytes saved for backward, FLOPs, FLOP/s.
+
+Each function measures on a real model what :mod:`scalebook.accounting` predicts in closed form:
+
+    tensor_bytes, model_state_bytes   bytes held by parameters, gradients and optimizer state
+    parameters_by_group               parameters counted by component, from the names in a real model
+    saved_activation_bytes            bytes of the tensors autograd saves during a forward pass
+    count_flops                       FLOPs of one forward and backward pass, counted per operator
+    peak_matmul_flops                 this machine's fp32 matrix-multiply FLOP/s, the peak for MFU on a CPU
 
 ``tracemalloc`` does not see torch's allocations, and process RSS mixes in the interpreter and the
-allocator's caches, so the book measures memory by walking the tensors themselves. A storage shared by
-several tensors (a tied embedding, a view) is counted once.
+allocator's caches, so memory is measured by walking the tensors themselves. A storage shared by
+several tensors (a tied embedding, a view) is counted once. Saved tensors are caught with
+``saved_tensors_hooks``: a pack hook sees every tensor an operator keeps for its backward. Weights are
+saved too (a linear layer keeps ``W.t()``, a view of the parameter), but they are model state, not
+activations, so storages that belong to parameters or buffers are left out; and one activation is often
+saved by two operators (the softmax output by softmax and by the next matmul), so each storage counts once.
 
-Source: PyTorch documentation, ``torch.Tensor.untyped_storage``.
+Source: PyTorch documentation: ``torch.Tensor.untyped_storage``; "Hooks for saved tensors"
+(``torch.autograd.graph.saved_tensors_hooks``); ``torch.utils.flop_counter.FlopCounterMode``.
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 4
+(what a Transformer layer saves); Chowdhery et al. 2022, "PaLM", Appendix B (MFU against peak FLOP/s).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -46,9 +66,282 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     if optimizer is not None:
         for state in optimizer.state.values():
             # Adam's scalar step counter is a tensor too; it is bookkeeping, not per-parameter state.
-            optimizer_tensors.extend(v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step")
+            optimizer_tensors.extend(
+                v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"
+            )
     return StateBytes(
         params=tensor_bytes(params),
         grads=tensor_bytes(p.grad for p in params),
         optimizer=tensor_bytes(optimizer_tensors),
     )
+
+
+def parameters_by_group(model: torch.nn.Module, groups: Mapping[str, str]) -> dict[str, int]:
+    """Count ``model``'s parameters into named groups: the counterpart of ``accounting.param_breakdown``.
+
+    ``groups`` maps a label to a regular expression; a parameter joins the first group whose expression
+    matches (``re.search``) its name in ``model.named_parameters()``, which yields a tied parameter
+    once. A parameter that no group matches is an error, so nothing is silently left out.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    compiled = {label: re.compile(pattern) for label, pattern in groups.items()}
+    counts = dict.fromkeys(groups, 0)
+    unmatched = []
+    for name, param in model.named_parameters():
+        label = next((label for label, pattern in compiled.items() if pattern.search(name)), None)
+        if label is None:
+            unmatched.append(name)
+        else:
+            counts[label] += param.numel()
+    if unmatched:
+        raise ValueError(
+            f"no group matches {unmatched[:5]}{' ...' if len(unmatched) > 5 else ''}; add a pattern"
+        )
+    return counts
+
+
+# ----------------------------------------------------------------------------------- saved activations
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor that autograd saved for the backward pass."""
+
+    layer: str | None  # the layer whose forward saved it (its name in the model), None outside the layers
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int  # bytes of its storage; 0 when a tensor saved earlier already holds that storage
+    produced_by: str  # the operator that computed it ("Softmax", "Add"); "" if it has no autograd history
+
+
+@dataclass(frozen=True)
+class SavedActivations:
+    """What one forward pass saved for backward: every tensor, and the byte totals by layer."""
+
+    tensors: tuple[SavedTensor, ...]
+    layer_names: tuple[str, ...]
+    # Casts of parameters saved for backward (autocast's 16-bit weight copies): model state, not counted
+    # in the totals; they are the "16-bit parameters" of mixed-precision training.
+    parameter_copy_bytes: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def per_layer(self) -> dict[str, int]:
+        """Bytes first saved inside each layer, in the order of ``layer_names``."""
+        totals = dict.fromkeys(self.layer_names, 0)
+        for t in self.tensors:
+            if t.layer is not None:
+                totals[t.layer] += t.nbytes
+        return totals
+
+    @property
+    def in_layers(self) -> int:
+        return sum(self.per_layer.values())
+
+    @property
+    def outside_layers(self) -> int:
+        """Bytes saved outside every layer: token ids, embeddings, final norm, logits, loss."""
+        return self.total - self.in_layers
+
+
+# Autograd nodes that only re-type or re-shape their one input: a parameter seen through them (an
+# autocast bf16 copy of a weight, transposed for the matmul) is still the parameter, not an activation.
+_CAST_OR_VIEW = frozenset({
+    "ToCopyBackward0", "TBackward0", "ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0",
+    "PermuteBackward0", "ExpandBackward0", "AliasBackward0",
+})  # fmt: skip
+
+
+def _is_parameter_copy(t: torch.Tensor, parameter_ids: set[int]) -> bool:
+    node = t.grad_fn
+    while node is not None and type(node).__name__ in _CAST_OR_VIEW:
+        sources = [n for n, _ in node.next_functions if n is not None]
+        if len(sources) != 1:
+            return False
+        node = sources[0]
+    # A leaf's gradient accumulator holds the leaf as ``variable``.
+    return node is not None and id(getattr(node, "variable", None)) in parameter_ids
+
+
+def _as_args(inputs) -> tuple:
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs)
+    raise ValueError(
+        f"inputs must be a tensor or a tuple of the model's positional arguments, got {type(inputs).__name__}"
+    )
+
+
+def _layer_names(model: torch.nn.Module, layers) -> dict[int, str]:
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    names = {id(module): name for name, module in model.named_modules()}
+    layers = list(layers or ())
+    strangers = [type(layer).__name__ for layer in layers if id(layer) not in names]
+    if strangers:
+        raise ValueError(
+            f"layers must be sub-modules of the model (e.g. model.blocks); not found: {strangers}"
+        )
+    return {id(layer): names[id(layer)] for layer in layers}
+
+
+def saved_activation_bytes(
+    model: torch.nn.Module, inputs, *, layers: Iterable[torch.nn.Module] | None = None
+) -> SavedActivations:
+    """Run ``model(*inputs)`` once with autograd on and record every tensor it saves for backward.
+
+    Storages of parameters and buffers are excluded (model state, not activations), and so are casts of
+    parameters (autocast's bf16 weight copies, reported as ``parameter_copy_bytes``); every other
+    storage counts once, at the first tensor that saved it. With ``layers`` (e.g. ``model.blocks``),
+    each tensor is attributed to the innermost of those modules whose forward was running when it was
+    saved. Under activation checkpointing a checkpointed layer saves only its input, and it saves it
+    before the layer's forward starts, so those bytes are counted outside the layers.
+    """
+    args = _as_args(inputs)
+    layer_names = _layer_names(model, layers)
+    excluded = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    parameter_ids = {id(p) for p in model.parameters()}
+    seen: set[int] = set()
+    copies: dict[int, int] = {}  # storage address -> bytes, of the parameter casts
+    records: list[SavedTensor] = []
+    keep: list[torch.Tensor] = []  # holds every saved tensor, so no storage address is reused mid-pass
+    running: list[str] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        keep.append(t)
+        storage = t.untyped_storage()
+        address = storage.data_ptr()
+        if address in excluded:
+            return t
+        if _is_parameter_copy(t, parameter_ids):
+            copies[address] = storage.nbytes()
+        else:
+            grad_fn = type(t.grad_fn).__name__ if t.grad_fn is not None else ""
+            records.append(SavedTensor(
+                layer=running[-1] if running else None,
+                shape=tuple(t.shape),
+                dtype=t.dtype,
+                nbytes=0 if address in seen else storage.nbytes(),
+                produced_by=grad_fn.removesuffix("Backward0").removesuffix("Backward1"),
+            ))  # fmt: skip
+            seen.add(address)
+        return t
+
+    def enter(name: str):
+        def pre_hook(module, args) -> None:
+            running.append(name)
+
+        return pre_hook
+
+    def leave(module, args, output) -> None:  # returns None: a forward hook's return would replace output
+        running.pop()
+
+    handles = []
+    for module in (m for m in model.modules() if id(m) in layer_names):
+        handles.append(module.register_forward_pre_hook(enter(layer_names[id(module)])))
+        handles.append(module.register_forward_hook(leave))
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output = model(*args)
+    finally:
+        for handle in handles:
+            handle.remove()
+    del output
+    keep.clear()
+    return SavedActivations(
+        tensors=tuple(records),
+        layer_names=tuple(layer_names.values()),
+        parameter_copy_bytes=sum(copies.values()),
+    )
+
+
+# --------------------------------------------------------------------------------------------------- FLOPs
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """FLOPs of one training step's forward and backward passes (a multiply-add counts 2)."""
+
+    forward: int
+    backward: int
+    by_operator: Mapping[str, int] = field(default_factory=dict)  # forward + backward, e.g. {"mm": ...}
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward
+
+
+def _scalar_loss(output, loss_fn):
+    if loss_fn is not None:
+        loss = loss_fn(output)
+    elif isinstance(output, (tuple, list)):
+        scalars = [o for o in output if isinstance(o, torch.Tensor) and o.dim() == 0]
+        loss = scalars[0] if len(scalars) == 1 else None
+    else:
+        loss = output
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+        raise ValueError(
+            "could not find the loss: the model should return a scalar that requires grad, or a tuple with "
+            "exactly one (e.g. GPT(idx, targets)); otherwise pass loss_fn=lambda output: ... returning it"
+        )
+    return loss
+
+
+def count_flops(model: torch.nn.Module, inputs, *, loss_fn: Callable | None = None) -> FlopCount:
+    """Count the FLOPs of ``model(*inputs)`` and of the backward pass of its loss, per operator.
+
+    PyTorch's ``FlopCounterMode`` counts matrix multiplies and attention kernels (2 FLOPs per
+    multiply-add); element-wise work (norms, softmax, GELU) is not counted, as in the formulas. It
+    counts nothing for the CPU's fused flash-attention kernel, so attention runs on SDPA's math backend
+    here, which multiplies explicitly. Gradients are taken with ``torch.autograd.grad``, so the
+    parameters' ``.grad`` are left as they were.
+    """
+    args = _as_args(inputs)
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no parameter that requires grad: there is no backward pass to count")
+    by_operator: dict[str, int] = {}
+
+    def tally(counter: FlopCounterMode) -> int:
+        for op, flops in counter.get_flop_counts().get("Global", {}).items():
+            name = getattr(op, "__name__", str(op)).split(".")[-1]
+            by_operator[name] = by_operator.get(name, 0) + flops
+        return counter.get_total_flops()
+
+    with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+        with FlopCounterMode(display=False) as counter:
+            loss = _scalar_loss(model(*args), loss_fn)
+        forward = tally(counter)
+        with FlopCounterMode(display=False) as counter:
+            torch.autograd.grad(loss, params, allow_unused=True)
+        backward = tally(counter)
+    return FlopCount(forward=forward, backward=backward, by_operator=MappingProxyType(by_operator))
+
+
+def peak_matmul_flops(size: int = 2048, *, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of the fastest of ``repeats`` (size x size) @ (size x size) products: 2 size^3 FLOPs each.
+
+    Large square products are the best case for the math library, so this is the most the machine
+    sustains in practice, the denominator of MFU on a CPU (whose datasheets quote no dense FLOP/s).
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be an integer >= 1 (the side of the square matrices), got {size!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
+    out = torch.empty(size, size, dtype=dtype)
+    torch.mm(a, b, out=out)  # warm-up: thread pool start-up and first-touch page faults
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best

@@ -28,6 +28,12 @@ def setup(seed: int = 0, threads: int = 2) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     import matplotlib
 
+    if _in_kernel():
+        # Figures must appear as cell outputs even when MPLBACKEND (e.g. Agg) is set in the environment;
+        # the magic, unlike matplotlib.use, also installs the hook that displays figures after each cell.
+        from IPython import get_ipython
+
+        get_ipython().run_line_magic("matplotlib", "inline")
     matplotlib.rcParams.update(
         {
             "figure.dpi": 110,
@@ -40,6 +46,15 @@ def setup(seed: int = 0, threads: int = 2) -> None:
             "font.size": 10,
         }
     )
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
 
 
 def show_source(obj, *, lines: tuple[int, int] | None = None):

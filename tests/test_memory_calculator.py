@@ -1,0 +1,74 @@
+"""The memory calculator of scalebook.widgets: its arithmetic against hand counts, then its controls."""
+
+import pytest
+
+from scalebook import accounting, configs, widgets
+
+GB = 10**9
+
+
+def test_gpt3_175b_on_one_gpu_without_any_parallelism():
+    n = accounting.param_count(configs.get_model("gpt3-175b"))
+    estimate = widgets.memory_per_gpu("gpt3-175b", seq_len=2048, micro_batch=1)
+    # Mixed precision with Adam: 2 + 2 + 12 bytes per parameter. Activations, Korthikanti et al.:
+    # L s b h (34 + 5 a s / h) = 96 * 2048 * 12288 * (34 + 80) bytes.
+    assert estimate.rows == (
+        ("parameters", 2 * n),
+        ("gradients", 2 * n),
+        ("optimizer states", 12 * n),
+        ("activations", 96 * 2048 * 12288 * 114),
+    )
+    assert estimate.capacity == 80 * GB and not estimate.fits
+
+
+def test_llama_405b_in_its_published_layout():
+    # Grattafiori et al. 2024, Table 4: TP 8, PP 16, DP 128 for 8K sequences. With ZeRO-1, sequence
+    # parallelism and selective recomputation, per GPU: 2 N / 128 bytes of bf16 weights and as many of
+    # gradients, 12 N / (128 * 128) of optimizer state, and per layer, without dropout,
+    # s b h / t * (4 * 2 + 12 * 2) = 32 s b h / t bytes of activations.
+    n = 405_853_388_800  # the published count (safetensors total), as in tests/test_accounting.py
+    estimate = widgets.memory_per_gpu(
+        "llama-3.1-405b", seq_len=8192, micro_batch=1, zero_stage=1, dp=128, tp=8, pp=16, sp=True,
+        recompute="selective",
+    )  # fmt: skip
+    assert dict(estimate.rows) == {
+        "parameters": 2 * n // 128,
+        "gradients": 2 * n // 128,
+        "optimizer states": -(-12 * n // (128 * 128)),
+        "activations": 126 * 8192 * 16384 // 8 * 32,
+    }
+
+
+def test_fp32_activations_take_twice_the_bytes():
+    half = widgets.memory_per_gpu("llama-3-8b", seq_len=4096, precision="mixed")
+    full = widgets.memory_per_gpu("llama-3-8b", seq_len=4096, precision="fp32")
+    assert dict(full.rows)["activations"] == 2 * dict(half.rows)["activations"]
+
+
+def test_the_gpu_sets_the_capacity():
+    assert widgets.memory_per_gpu("gpt2", gpu="mi300x").capacity == 192 * GB
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(model="gpt5"), "unknown model 'gpt5'"),
+    (dict(gpu="tpu"), "unknown hardware 'tpu'"),
+    (dict(tp=5), "tp (5) must divide n_heads (96)"),
+    (dict(zero_stage=4), "zero_stage must be one of"),
+])  # fmt: skip
+def test_bad_layouts_raise_one_value_error(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        widgets.memory_per_gpu(**kwargs)
+    assert message in str(error.value)
+
+
+def test_the_panel_recomputes_when_a_control_changes():
+    pytest.importorskip("ipywidgets")
+    panel = widgets.memory_calculator()
+    grid, result = panel.children
+    controls = {control.description: control for control in grid.children}
+    controls["tp"].value = 8
+    expected = widgets.memory_per_gpu("gpt3-175b", tp=8)
+    assert result.value == widgets.memory_estimate_html(expected)
+    assert f"{expected.total / GB:,.1f} GB" in result.value
+    controls["tp"].value = 64  # does not divide 96 heads: the panel shows the error, it does not raise
+    assert "Not a valid layout" in result.value and "must divide n_heads" in result.value
