@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.graph import saved_tensors_hooks
+
+from .measure import saved_by_call
 
 
 def causal_mask(seq_len: int, *, device: torch.device | str | None = None) -> torch.Tensor:
@@ -355,27 +356,14 @@ class SavedForBackward:
 def saved_for_backward(fn: Callable, *args, exclude: Iterable[torch.Tensor] = ()) -> SavedForBackward:
     """Run ``fn(*args)`` and count the bytes of the tensors autograd saves for its backward pass.
 
-    Every saved tensor passes through a ``saved_tensors_hooks`` pack hook. Views share their base's
-    storage (``k.transpose(-2, -1)`` is ``k``), so storages are counted once each, by data pointer.
-    Tensors whose storage belongs to ``exclude`` (pass the module's parameters: a Linear saves its
+    Every saved tensor passes through a ``saved_tensors_hooks`` pack hook (``measure.saved_by_call``).
+    Views share their base's storage (``k.transpose(-2, -1)`` is ``k``), so storages are counted once
+    each. Tensors whose storage belongs to ``exclude`` (pass the module's parameters: a Linear saves its
     weight, as a transposed view) are not activations and are left out.
     """
-    excluded = {t.untyped_storage().data_ptr() for t in exclude}
-    storages: dict[int, SavedStorage] = {}
-    keep: list[torch.Tensor] = []  # no saved storage may be freed and its address reused while counting
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        keep.append(t)
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in excluded and storage.data_ptr() not in storages:
-            storages[storage.data_ptr()] = SavedStorage(tuple(t.shape), t.dtype, storage.nbytes())
-        return t
-
-    with saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    keep.clear()
-    found = tuple(storages.values())
-    return SavedForBackward(sum(s.nbytes for s in found), found)
+    saved = saved_by_call(fn, *args, exclude=exclude)
+    storages = tuple(SavedStorage(t.shape, t.dtype, t.nbytes) for t in saved.tensors if t.nbytes)
+    return SavedForBackward(saved.total, storages)
 
 
 ATTENTION_IMPLS = ("explicit", "sdpa")

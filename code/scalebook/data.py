@@ -43,9 +43,13 @@ def load_text(path: str | os.PathLike | None = None) -> str:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
         if not files:
-            raise ValueError(f"no {'/'.join(TEXT_SUFFIXES)} files under {path}; point at a text file or a folder of them")
+            raise ValueError(
+                f"no {'/'.join(TEXT_SUFFIXES)} files under {path}; point at a text file or a folder of them"
+            )
         return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
-    raise ValueError(f"data path {path} does not exist; pass a text file, a folder of text files, or None for the default corpus")
+    raise ValueError(
+        f"data path {path} does not exist; pass a text file, a folder of text files, or None for the default corpus"
+    )
 
 
 class ByteTokenizer:

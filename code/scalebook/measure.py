@@ -190,27 +190,21 @@ def _layer_names(model: torch.nn.Module, layers) -> dict[int, str]:
     return {id(layer): names[id(layer)] for layer in layers}
 
 
-def saved_activation_bytes(
-    model: torch.nn.Module, inputs, *, layers: Iterable[torch.nn.Module] | None = None
-) -> SavedActivations:
-    """Run ``model(*inputs)`` once with autograd on and record every tensor it saves for backward.
+def record_saved_tensors(run, exclude: tuple[torch.Tensor, ...], running: list[str], layer_names: tuple[str, ...]):
+    """Call ``run()`` with autograd on and a pack hook that records every tensor saved for backward.
 
-    Storages of parameters and buffers are excluded (model state, not activations), and so are casts of
-    parameters (autocast's bf16 weight copies, reported as ``parameter_copy_bytes``); every other
-    storage counts once, at the first tensor that saved it. With ``layers`` (e.g. ``model.blocks``),
-    each tensor is attributed to the innermost of those modules whose forward was running when it was
-    saved. Under activation checkpointing a checkpointed layer saves only its input, and it saves it
-    before the layer's forward starts, so those bytes are counted outside the layers.
+    Storages of ``exclude`` (parameters, buffers) and casts of them are model state, not activations;
+    every other storage counts once, at the first tensor that saves it.
+
+    ``running`` is the stack of layer names whose forward is executing (maintained by the caller's
+    module hooks); each record is attributed to its top.
     """
-    args = _as_args(inputs)
-    layer_names = _layer_names(model, layers)
-    excluded = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    parameter_ids = {id(p) for p in model.parameters()}
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    parameter_ids = {id(t) for t in exclude}
     seen: set[int] = set()
     copies: dict[int, int] = {}  # storage address -> bytes, of the parameter casts
     records: list[SavedTensor] = []
     keep: list[torch.Tensor] = []  # holds every saved tensor, so no storage address is reused mid-pass
-    running: list[str] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         keep.append(t)
@@ -232,6 +226,40 @@ def saved_activation_bytes(
             seen.add(address)
         return t
 
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = run()
+    del output
+    keep.clear()
+    return SavedActivations(
+        tensors=tuple(records), layer_names=layer_names, parameter_copy_bytes=sum(copies.values())
+    )
+
+
+def saved_by_call(fn, *args, exclude: Iterable[torch.Tensor] = ()) -> SavedActivations:
+    """What ``fn(*args)`` saves for backward, for any callable: a functional operator such as
+    ``F.scaled_dot_product_attention`` or a single layer. Storages of ``exclude`` (pass the layer's
+    parameters) and casts of them are not counted; every other storage counts once."""
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+    return record_saved_tensors(lambda: fn(*args), tuple(exclude), [], ())
+
+
+def saved_activation_bytes(
+    model: torch.nn.Module, inputs, *, layers: Iterable[torch.nn.Module] | None = None
+) -> SavedActivations:
+    """Run ``model(*inputs)`` once with autograd on and record every tensor it saves for backward.
+
+    Storages of parameters and buffers are excluded (model state, not activations), and so are casts of
+    parameters (autocast's bf16 weight copies, reported as ``parameter_copy_bytes``); every other
+    storage counts once, at the first tensor that saved it. With ``layers`` (e.g. ``model.blocks``),
+    each tensor is attributed to the innermost of those modules whose forward was running when it was
+    saved. Under activation checkpointing a checkpointed layer saves only its input, and it saves it
+    before the layer's forward starts, so those bytes are counted outside the layers.
+    """
+    args = _as_args(inputs)
+    layer_names = _layer_names(model, layers)
+    running: list[str] = []
+
     def enter(name: str):
         def pre_hook(module, args) -> None:
             running.append(name)
@@ -246,18 +274,11 @@ def saved_activation_bytes(
         handles.append(module.register_forward_pre_hook(enter(layer_names[id(module)])))
         handles.append(module.register_forward_hook(leave))
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = model(*args)
+        state = (*model.parameters(), *model.buffers())
+        return record_saved_tensors(lambda: model(*args), state, running, tuple(layer_names.values()))
     finally:
         for handle in handles:
             handle.remove()
-    del output
-    keep.clear()
-    return SavedActivations(
-        tensors=tuple(records),
-        layer_names=tuple(layer_names.values()),
-        parameter_copy_bytes=sum(copies.values()),
-    )
 
 
 # --------------------------------------------------------------------------------------------------- FLOPs
