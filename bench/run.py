@@ -109,25 +109,17 @@ def bench_training_throughput(repeats: int) -> dict:
 
 def bench_tokenizer_encode(repeats: int) -> list[dict]:
     """MB/s encoding the embedded corpus: our byte-level BPE vs HF tokenizers with the same merges."""
-    import json
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer
 
     from scalebook import data
-    from scalebook.tokenizer import BPETokenizer
+    from scalebook.tokenizer import BPETokenizer, hf_merges, hf_reference
 
     text = data.default_corpus()
     ours = BPETokenizer.train(text, 4096)
-    hf = Tokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator([text], trainers.BpeTrainer(
-        vocab_size=4096, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
-        show_progress=False))
-    hf_json = hf.to_str()
-    our_merges = [[ours.token_str(a), ours.token_str(b)] for a, b in ours.merges]
-    if our_merges != json.loads(hf_json)["model"]["merges"]:
+    hf = hf_reference(text, 4096)
+    if ours.merge_strings() != hf_merges(hf):
         raise RuntimeError("our merges differ from HF's: run tests/test_tokenizer.py")
+    hf_json = hf.to_str()
     mb = len(text.encode("utf-8")) / 1e6
     entries = []
     for label, texts in [("whole corpus", [text]), ("line by line", text.splitlines(keepends=True))]:

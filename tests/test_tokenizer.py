@@ -1,44 +1,19 @@
 """Byte-level BPE from scratch against Hugging Face ``tokenizers``, and its own invariants."""
 
-import json
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import pre_tokenizers
 from transformers.convert_slow_tokenizer import bytes_to_unicode as hf_bytes_to_unicode
 
 from scalebook import data
-from scalebook.tokenizer import BYTE_TO_CHAR, BPETokenizer, bytes_to_unicode
+from scalebook.tokenizer import BYTE_TO_CHAR, BPETokenizer, bytes_to_unicode, hf_merges, hf_reference
 
 # Characters assigned in Python's Unicode database (14.0 for 3.11). Our regex module and HF's
 # Oniguruma each carry their own, newer, Unicode tables; a code point assigned only in a later
 # version (e.g. U+323B0, CJK Extension J, Unicode 17) is a letter to one and unassigned to the other,
 # so the pre-tokenizers may split it differently. That is a table version, not a tokenizer, difference.
 ASSIGNED_CHARACTERS = st.characters(exclude_categories=["Cn", "Cs"])
-
-
-def hf_byte_level_bpe(text: str, vocab_size: int) -> Tokenizer:
-    """HF's byte-level BPE trained with the same settings as ours: GPT-2 regex, all 256 bytes, no specials."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator([text], trainer)
-    return tokenizer
-
-
-def hf_merges(tokenizer: Tokenizer) -> list[tuple[str, str]]:
-    return [tuple(pair) for pair in json.loads(tokenizer.to_str())["model"]["merges"]]
-
-
-def our_merges(tokenizer: BPETokenizer) -> list[tuple[str, str]]:
-    return [(tokenizer.token_str(a), tokenizer.token_str(b)) for a, b in tokenizer.merges]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +24,7 @@ def corpus_split():
 @pytest.fixture(scope="module")
 def trained_pair(corpus_split):
     train_text, _ = corpus_split
-    return BPETokenizer.train(train_text, 4096), hf_byte_level_bpe(train_text, 4096)
+    return BPETokenizer.train(train_text, 4096), hf_reference(train_text, 4096)
 
 
 def test_bytes_to_unicode_is_gpt2s_map():
@@ -61,7 +36,7 @@ def test_bytes_to_unicode_is_gpt2s_map():
 
 def test_bpe_merges_match_hf_tokenizers(trained_pair):
     ours, hf = trained_pair
-    assert our_merges(ours) == hf_merges(hf)
+    assert ours.merge_strings() == hf_merges(hf)
     assert {ours.token_str(i): i for i in range(ours.vocab_size)} == hf.get_vocab()
     assert ours.vocab_size == hf.get_vocab_size() == 4096
 
@@ -83,7 +58,7 @@ def test_encodings_match_hf_tokenizers_on_held_out_text(trained_pair, corpus_spl
 )
 def test_merges_match_hf_tokenizers_on_tie_heavy_texts(text, vocab_size):
     # Small alphabets make many pairs equally frequent, so this exercises HF's tie-breaking rule.
-    assert our_merges(BPETokenizer.train(text, vocab_size)) == hf_merges(hf_byte_level_bpe(text, vocab_size))
+    assert BPETokenizer.train(text, vocab_size).merge_strings() == hf_merges(hf_reference(text, vocab_size))
 
 
 @settings(max_examples=500, deadline=None, derandomize=True)
@@ -100,7 +75,7 @@ def test_trains_the_textbook_example():
     # -> ZYdZYac (Y = ab) -> XdXac (X = ZY). At step 2, (aa, a) and (a, b) both occur twice; the
     # smaller id pair (a, b) wins, as on the page.
     tokenizer = BPETokenizer.train("aaabdaaabac", 259)
-    assert our_merges(tokenizer) == [("a", "a"), ("a", "b"), ("aa", "ab")]
+    assert tokenizer.merge_strings() == [("a", "a"), ("a", "b"), ("aa", "ab")]
     assert tokenizer.merge_counts == [4, 2, 2]
     encoded = [tokenizer.token_str(i) for i in tokenizer.encode("aaabdaaabac")]
     assert encoded == ["aaab", "d", "aaab", "a", "c"]

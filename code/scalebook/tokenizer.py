@@ -257,6 +257,10 @@ class BPETokenizer:
         """A token as GPT-2 and HF print it: each byte as its printable stand-in (a space shows as 'Ġ')."""
         return "".join(BYTE_TO_CHAR[b] for b in self.vocab[token_id])
 
+    def merge_strings(self) -> list[tuple[str, str]]:
+        """The merge list as pairs of printable token strings, the form HF's tokenizer JSON stores."""
+        return [(self.token_str(a), self.token_str(b)) for a, b in self.merges]
+
     def save(self, path: str | os.PathLike) -> None:
         """Write the merges as JSON (pairs of printable token strings, as in HF's tokenizer.json).
 
@@ -301,3 +305,27 @@ class BPETokenizer:
             merges.append((ids[left], ids[right]))
             ids.setdefault(left + right, N_BYTES + rank)
         return cls(merges, state["pattern"], state.get("merge_counts"))
+
+
+def hf_reference(text: str, vocab_size: int):
+    """Hugging Face's byte-level BPE trained with our settings (GPT-2 regex, all 256 bytes, no special
+    tokens): the reference the tests, the chapter and the benchmark compare :class:`BPETokenizer` with."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    _check_vocab_size(vocab_size)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([text], trainer)
+    return tokenizer
+
+
+def hf_merges(tokenizer) -> list[tuple[str, str]]:
+    """The merge list of a trained HF ``tokenizers.Tokenizer`` with a BPE model, as string pairs."""
+    return [tuple(pair) for pair in json.loads(tokenizer.to_str())["model"]["merges"]]
