@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: book test lab bench clean venv notebooks
+.PHONY: book test lab bench clean venv notebooks train cluster-up cluster-down
 
 venv: $(STAMP)
 
@@ -37,6 +37,17 @@ notebooks: $(STAMP)
 ## lab: JupyterLab on the notebooks
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks
+
+## train: one training run on this machine; pass arguments with ARGS="--model small --steps 100"
+train: $(STAMP)
+	$(BIN)/python -m scalebook.train $(ARGS)
+
+## cluster-up / cluster-down: a real two-node SLURM cluster on this machine (root; needs slurm-wlm, munge)
+cluster-up: $(STAMP)
+	$(BIN)/python -m scalebook.cluster up
+
+cluster-down: $(STAMP)
+	$(BIN)/python -m scalebook.cluster down
 
 ## bench: side-by-side benchmarks, written to bench/results.json (not part of `make test`)
 bench: $(STAMP)

@@ -12,11 +12,15 @@ positions   learned, sinusoidal and rotary position encodings
 embeddings  sentence embeddings with the packaged MiniLM encoder
 attention   scaled dot-product and multi-head attention from scratch, and their costs
 model       a GPT decoder from scratch, with Hugging Face GPT-2 weight import and export
-train       a single-device training loop (gradient accumulation, bf16 autocast, checkpointing)
+train       a single-device training loop; ``python -m scalebook.train`` is the command-line entry point
+cli         that entry point: every strategy, under torchrun or srun, with metrics and checkpoints
+checkpoint  atomic, per-rank checkpoints and resuming
+cluster     a real two-node SLURM cluster on one machine, for tests and readers
 measure     measured counterparts of the accounting formulas (bytes held, step time)
 accounting  closed-form parameter, memory, FLOP and time arithmetic (pure Python)
 configs     published model and hardware configurations
-dist        launching functions on N ranks, environment detection
+dist        launching functions on N ranks, environment detection, collectives, traffic, cost model
+parallel    data, ZeRO, tensor, sequence and pipeline parallelism
 generate    greedy, temperature, top-k and top-p sampling
 plots       the book's matplotlib figures
 widgets     ipywidgets calculators and explorers (with static fallbacks in the book)
@@ -30,6 +34,9 @@ __version__ = "0.1.0"
 _SUBMODULES = (
     "accounting",
     "attention",
+    "checkpoint",
+    "cli",
+    "cluster",
     "configs",
     "data",
     "dist",
@@ -38,6 +45,7 @@ _SUBMODULES = (
     "measure",
     "model",
     "notebook",
+    "parallel",
     "plots",
     "positions",
     "tokenizer",

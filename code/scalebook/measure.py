@@ -36,11 +36,18 @@ from torch.utils.flop_counter import FlopCounterMode
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes held by the storages behind ``tensors``; each storage counts once."""
+    """Bytes held by the storages behind ``tensors``; each storage counts once.
+
+    A DTensor (FSDP2, tensor parallelism) counts the shard this rank holds, not the global tensor.
+    """
+    from torch.distributed.tensor import DTensor
+
     seen: dict[int, int] = {}
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
             continue
+        if isinstance(t, DTensor):
+            t = t.to_local()
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())

@@ -170,3 +170,11 @@ def evaluate(
         total += loss.item() * y.numel()
         count += y.numel()
     return total / count
+
+
+if __name__ == "__main__":  # python -m scalebook.train: the command-line entry point lives in scalebook.cli
+    import sys
+
+    from scalebook.cli import main
+
+    sys.exit(main())

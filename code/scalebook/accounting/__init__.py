@@ -8,11 +8,19 @@ chapters check these numbers against.
     memory   model_state_bytes (ZeRO, mixed precision), activation_bytes (Korthikanti et al.)
     flops    flops_per_token, training_flops (6 N D), training_flops_with_attention (Narayanan et al.)
     time     mfu, training_days, devices_needed
+    comm     bytes_sent_per_rank, alpha_beta_time, data_parallel_bytes_per_step,
+             tensor_parallel_bytes_per_layer
 
 Source: Rajbhandari et al. 2020 (ZeRO); Korthikanti et al. 2022 (activation recomputation);
 Kaplan et al. 2020 and Narayanan et al. 2021 (FLOPs); Chowdhery et al. 2022 (MFU).
 """
 
+from scalebook.accounting.comm import (
+    alpha_beta_time,
+    bytes_sent_per_rank,
+    data_parallel_bytes_per_step,
+    tensor_parallel_bytes_per_layer,
+)
 from scalebook.accounting.flops import flops_per_token, training_flops, training_flops_with_attention
 from scalebook.accounting.memory import (
     OPTIMIZERS,
@@ -33,6 +41,9 @@ __all__ = [
     "ZERO_STAGES",
     "ModelStateBytes",
     "activation_bytes",
+    "alpha_beta_time",
+    "bytes_sent_per_rank",
+    "data_parallel_bytes_per_step",
     "devices_needed",
     "flops_per_token",
     "mfu",
@@ -40,6 +51,7 @@ __all__ = [
     "param_breakdown",
     "param_count",
     "param_count_closed_form",
+    "tensor_parallel_bytes_per_layer",
     "training_days",
     "training_flops",
     "training_flops_with_attention",

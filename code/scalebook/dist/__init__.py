@@ -1,9 +1,22 @@
-"""Distributed building blocks: launching ranks and reading the launcher's environment.
+"""Distributed building blocks: launching ranks, reading the launcher's environment, counting traffic.
 
 ``launch`` runs a package function on N local CPU ranks (gloo) from a notebook, a script or a test;
-``detect_env``/``init_from_env`` read what torchrun or SLURM set so the same code runs on a cluster.
+``detect_env``/``init_from_env`` read what torchrun or SLURM set so the same code runs on a cluster;
+``count_traffic`` records every communication call a rank makes and the bytes it sends.
 """
 
 from .launch import DistEnv, LaunchError, backend_and_device, detect_env, free_port, init_from_env, launch
+from .traffic import CommCall, Traffic, count_traffic
 
-__all__ = ["DistEnv", "LaunchError", "backend_and_device", "detect_env", "free_port", "init_from_env", "launch"]
+__all__ = [
+    "CommCall",
+    "DistEnv",
+    "LaunchError",
+    "Traffic",
+    "backend_and_device",
+    "count_traffic",
+    "detect_env",
+    "free_port",
+    "init_from_env",
+    "launch",
+]

@@ -1,0 +1,139 @@
+"""Communication volume and time: how many bytes each rank sends, and how long that takes.
+
+Message sizes are the full logical tensor ``M`` in bytes (the gradient buffer of an all-reduce, the
+gathered output of an all-gather, the input of a reduce-scatter). With ``n`` ranks, the bandwidth-optimal
+ring algorithms (what NCCL uses for large messages) send, per rank,
+
+    all-reduce                  2 (n-1)/n M     (a reduce-scatter, then an all-gather)
+    reduce-scatter, all-gather    (n-1)/n M
+    all-to-all                    (n-1)/n M     (every rank keeps 1/n of its own data)
+    broadcast, reduce             (n-1)/n M     (pipelined chain, averaged over ranks)
+
+while the naive all-reduce (every rank sends its whole tensor to every peer) sends (n-1) M, and a binary
+tree (reduce to a root, broadcast back) moves the same total bytes as the ring but in 2 ceil(log2 n)
+rounds of the whole message.
+
+Time follows the alpha-beta (latency-bandwidth) model: a message of m bytes over one link costs
+alpha + m / B. A ring step moves M/n bytes, so
+
+    T_all-reduce(ring)  = 2 (n-1) (alpha + M / (n B))
+    T_RS = T_AG (ring)  =   (n-1) (alpha + M / (n B))
+    T_all-reduce(tree)  = 2 ceil(log2 n) (alpha + M / B)
+    T_all-reduce(naive) =   (n-1) (alpha + M / B)
+
+Per training step, data parallelism all-reduces the gradients once (DDP, ZeRO-1/2 send the same
+volume as a reduce-scatter of gradients plus an all-gather of parameters); ZeRO-3 gathers the
+parameters twice (forward and backward) and reduce-scatters the gradients: 3 (n-1)/n Psi bytes.
+Tensor parallelism all-reduces the layer's s b h activations twice in the forward and twice in the
+backward of each layer; sequence parallelism replaces each all-reduce by a reduce-scatter and an
+all-gather of the same total volume.
+
+Source: Patarasuk and Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
+workstations"; Thakur, Rabenseifner and Gropp 2005, "Optimization of Collective Communication
+Operations in MPICH" (alpha-beta costs); Rajbhandari et al. 2020 (ZeRO, Sec. 7); Shoeybi et al. 2019
+(Megatron-LM) and Korthikanti et al. 2022 (sequence parallelism).
+"""
+
+from __future__ import annotations
+
+import math
+
+from scalebook.accounting import _checks
+from scalebook.accounting.params import params_of
+from scalebook.configs import ModelConfig
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
+ALL_REDUCE_ALGORITHMS = ("ring", "tree", "naive")
+
+
+def _collective_args(op: str, message_bytes: float, n: int, algorithm: str) -> list[str]:
+    problems = _checks.one_of("op", op, COLLECTIVES) + _checks.positive_int(n=n)
+    if isinstance(message_bytes, bool) or not isinstance(message_bytes, (int, float)) or message_bytes < 0:
+        problems.append(f"message_bytes must be a number >= 0, got {message_bytes!r}")
+    if algorithm != "ring" and op != "all_reduce":
+        problems.append(f"only all_reduce has a {algorithm!r} variant here; use algorithm='ring' for {op}")
+    return problems + _checks.one_of("algorithm", algorithm, ALL_REDUCE_ALGORITHMS)
+
+
+def bytes_sent_per_rank(op: str, message_bytes: float, n: int, *, algorithm: str = "ring") -> float:
+    """Bytes one rank sends (averaged over ranks) to run ``op`` on an ``M``-byte message over ``n`` ranks."""
+    _checks.require(_collective_args(op, message_bytes, n, algorithm))
+    if op == "all_reduce" and algorithm == "naive":
+        return (n - 1) * message_bytes
+    factor = 2 if op == "all_reduce" else 1  # the tree moves as many bytes as the ring, in fewer rounds
+    return factor * (n - 1) * message_bytes / n
+
+
+def alpha_beta_time(
+    op: str, message_bytes: float, n: int, *, alpha: float, bandwidth: float, algorithm: str = "ring"
+) -> float:
+    """Seconds for ``op`` on an ``M``-byte message over ``n`` ranks: latency ``alpha`` (s), link ``bandwidth`` (B/s)."""
+    _checks.require(_collective_args(op, message_bytes, n, algorithm), _checks.positive(bandwidth=bandwidth))
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha < 0:
+        raise ValueError(f"alpha must be a latency in seconds >= 0, got {alpha!r}")
+    if n == 1:
+        return 0.0
+    if op == "all_reduce" and algorithm == "naive":
+        return (n - 1) * (alpha + message_bytes / bandwidth)
+    if op == "all_reduce" and algorithm == "tree":
+        return 2 * math.ceil(math.log2(n)) * (alpha + message_bytes / bandwidth)
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+    return steps * (alpha + message_bytes / (n * bandwidth))
+
+
+def data_parallel_bytes_per_step(
+    model: ModelConfig | float, dp: int, *, zero_stage: int = 0, grad_bytes: int = 4, param_bytes: int = 4
+) -> float:
+    """Bytes each data-parallel rank sends per optimizer step (``model``: a ModelConfig or a count).
+
+    Stage 0 (DDP) all-reduces the gradients; stages 1 and 2 reduce-scatter the gradients and all-gather
+    the updated parameters (the same volume when both have the same width); stage 3 all-gathers the
+    parameters in the forward and again in the backward, and reduce-scatters the gradients.
+    """
+    _checks.require(
+        _checks.model_or_count(model),
+        _checks.positive_int(dp=dp, grad_bytes=grad_bytes, param_bytes=param_bytes),
+        _checks.one_of("zero_stage", zero_stage, (0, 1, 2, 3)),
+    )
+    psi = params_of(model)
+    gather_rounds = {0: 0, 1: 1, 2: 1, 3: 2}[zero_stage]
+    if zero_stage == 0:
+        return bytes_sent_per_rank("all_reduce", psi * grad_bytes, dp)
+    return bytes_sent_per_rank("reduce_scatter", psi * grad_bytes, dp) + gather_rounds * bytes_sent_per_rank(
+        "all_gather", psi * param_bytes, dp
+    )
+
+
+def tensor_parallel_bytes_per_layer(
+    seq_len: int,
+    micro_batch: int,
+    d_model: int,
+    tp: int,
+    *,
+    sp: bool = False,
+    dtype_bytes: int = 2,
+    regather_inputs: bool = True,
+) -> dict[str, float]:
+    """Bytes each tensor-parallel rank sends in one Transformer layer, ``{"forward": ..., "backward": ...}``.
+
+    Without SP: one all-reduce of the s b h activations after attention and one after the MLP in the
+    forward, and their conjugates (before the QKV and the first MLP layer) in the backward. With SP each
+    all-reduce becomes an all-gather before the block and a reduce-scatter after it: the same bytes, but
+    the LayerNorm/dropout regions hold s/t tokens. The two linear layers after an all-gather then keep
+    only their s/t-token shard for the backward pass and all-gather it again there (Megatron-LM, and
+    Korthikanti et al. Sec. 4.2.2): two more all-gathers in the backward. ``regather_inputs=False``
+    describes an implementation that saves the gathered input instead (more memory, no extra bytes).
+    """
+    _checks.require(
+        _checks.positive_int(seq_len=seq_len, micro_batch=micro_batch, d_model=d_model, tp=tp,
+                             dtype_bytes=dtype_bytes),
+        _checks.one_of("sp", sp, (False, True)),
+        _checks.one_of("regather_inputs", regather_inputs, (False, True)),
+    )  # fmt: skip
+    message = seq_len * micro_batch * d_model * dtype_bytes
+    if not sp:
+        per_pass = 2 * bytes_sent_per_rank("all_reduce", message, tp)
+        return {"forward": per_pass, "backward": per_pass}
+    all_gather = bytes_sent_per_rank("all_gather", message, tp)
+    forward = 2 * (all_gather + bytes_sent_per_rank("reduce_scatter", message, tp))
+    return {"forward": forward, "backward": forward + (2 * all_gather if regather_inputs else 0)}

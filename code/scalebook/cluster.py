@@ -1,0 +1,238 @@
+"""A real SLURM cluster on one machine: a controller and two emulated GPU nodes, for tests and readers.
+
+``LocalCluster(workdir).up()`` writes a ``slurm.conf`` into ``workdir``, starts ``munged`` (the
+authentication daemon), ``slurmctld`` (the controller) and one ``slurmd`` per emulated node, and waits
+until the nodes are idle; ``down()`` stops them all and removes what ``up()`` added to ``/etc/hosts``.
+Clients (``sbatch``, ``squeue``, ``scontrol``) find the cluster through the ``SLURM_CONF`` variable,
+which :meth:`LocalCluster.env` supplies. From a shell: ``python -m scalebook.cluster up|down|status``
+(or ``make cluster-up`` / ``make cluster-down``).
+
+The emulated nodes ``n1`` and ``n2`` both run on this host (Debian's SLURM allows several ``slurmd``
+on one machine, each on its own port). Each declares 4 GPUs backed by empty files, in a partition named
+``gpu``, so a batch script written for a GPU cluster (``#SBATCH --gres=gpu:4``) is accepted unchanged;
+the ranks it starts see no CUDA device and fall back to gloo on the CPU. There are no cgroups and no
+accounting database: jobs are tracked by process (``proctrack/linuxproc``), ``sbatch --wait`` reports
+their exit codes and ``scontrol show job`` their state.
+
+Requires root (it starts daemons and edits ``/etc/hosts``) and the Debian packages ``slurm-wlm`` and
+``munge``.
+
+Source: SLURM documentation, "slurm.conf", "gres.conf" and "Multiple slurmd support"
+(https://slurm.schedmd.com/); MUNGE documentation.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+NODES = ("n1", "n2")
+GPUS_PER_NODE = 4
+CPUS_PER_NODE = 16
+_HOSTS_MARK = "# scalebook local SLURM cluster"
+_DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol")
+
+
+class ClusterError(RuntimeError):
+    """The local cluster could not start, or a job did not finish as expected."""
+
+
+def _slurm_conf(workdir: Path, controller_port: int, node_port: int) -> str:
+    first, last = node_port, node_port + len(NODES) - 1
+    return f"""\
+ClusterName=scalebook
+SlurmctldHost=localhost
+SlurmctldPort={controller_port}
+SlurmdPort={node_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation={workdir}/state
+SlurmdSpoolDir={workdir}/spool/%n
+SlurmctldPidFile={workdir}/slurmctld.pid
+SlurmdPidFile={workdir}/slurmd.%n.pid
+SlurmctldLogFile={workdir}/log/slurmctld.log
+SlurmdLogFile={workdir}/log/slurmd.%n.log
+# No cgroups in a container: track job processes by their parent ids, bind nothing.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+# The emulated nodes declare more CPUs and GPUs than this host has; believe the configuration.
+SlurmdParameters=config_overrides
+GresTypes=gpu
+# Forget finished jobs after a few seconds so `sbatch --wait` returns promptly.
+MinJobAge=5
+# Reject a request that can never run instead of leaving it pending forever.
+EnforcePartLimits=ALL
+ReturnToService=2
+SchedulerType=sched/backfill
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+InactiveLimit=0
+KillWait=5
+Waittime=0
+NodeName=n[1-{len(NODES)}] NodeAddr=127.0.0.1 Port=[{first}-{last}] CPUs={CPUS_PER_NODE} RealMemory=4000 \
+Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN
+PartitionName=gpu Nodes=n[1-{len(NODES)}] Default=YES MaxTime=60 State=UP
+"""
+
+
+class LocalCluster:
+    """Start and stop the two-node cluster whose files live in ``workdir``."""
+
+    def __init__(self, workdir: str | os.PathLike, *, controller_port: int = 16817, node_port: int = 17001):
+        self.workdir = Path(workdir).resolve()
+        self.controller_port = controller_port
+        self.node_port = node_port
+
+    @property
+    def conf(self) -> Path:
+        return self.workdir / "slurm.conf"
+
+    def env(self) -> dict[str, str]:
+        """The environment for SLURM clients (``sbatch``, ``squeue``...) talking to this cluster."""
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def run(self, *cmd: str, check: bool = True, timeout: float = 120.0) -> subprocess.CompletedProcess:
+        """Run a SLURM client command against this cluster and return its completed process."""
+        result = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, timeout=timeout)
+        if check and result.returncode != 0:
+            raise ClusterError(f"{' '.join(cmd)} failed ({result.returncode}): {result.stderr.strip()}")
+        return result
+
+    # -- starting ------------------------------------------------------------------------------
+
+    def up(self, timeout: float = 60.0) -> LocalCluster:
+        """Configure and start munge, the controller and the nodes; return once every node is idle."""
+        missing = [d for d in _DAEMONS if not shutil.which(d) and not Path("/usr/sbin", d).exists()]
+        if missing:
+            raise ClusterError(
+                f"SLURM is not installed (missing {missing}); install it with "
+                "`apt-get install -y slurm-wlm munge` (the repository's .ci/run does)"
+            )
+        if os.geteuid() != 0:
+            raise ClusterError("the local cluster starts daemons and edits /etc/hosts: run it as root")
+        for sub in ("state", "log", "gpu", *(f"spool/{n}" for n in NODES)):
+            (self.workdir / sub).mkdir(parents=True, exist_ok=True)
+        gpu_files = []
+        for i in range(GPUS_PER_NODE):
+            (self.workdir / "gpu" / f"gpu{i}").touch()
+            gpu_files.append(str(self.workdir / "gpu" / f"gpu{i}"))
+        self.conf.write_text(_slurm_conf(self.workdir, self.controller_port, self.node_port))
+        # A count-only gres.conf leaves the nodes INVAL: every GPU needs a device file, here an empty one.
+        (self.workdir / "gres.conf").write_text(
+            f"NodeName=n[1-{len(NODES)}] Name=gpu File={self.workdir}/gpu/gpu[0-{GPUS_PER_NODE - 1}]\n"
+        )
+        self._add_hosts()
+        self._start_munge()
+        env = self.env()
+        subprocess.run(["slurmctld", "-i", "-f", str(self.conf)], env=env, check=True)
+        for node in NODES:
+            subprocess.run(["slurmd", "-N", node, "-f", str(self.conf)], env=env, check=True)
+        self._wait_idle(timeout)
+        return self
+
+    def _add_hosts(self) -> None:
+        # Rendezvous resolves node names; without these lines it fails after minutes, not seconds.
+        hosts = Path("/etc/hosts")
+        text = hosts.read_text()
+        if _HOSTS_MARK not in text:
+            hosts.write_text(text.rstrip("\n") + "\n" + "".join(f"127.0.0.1 {n} {_HOSTS_MARK}\n" for n in NODES))
+
+    def _start_munge(self) -> None:
+        if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0:
+            return
+        run_dir = Path("/run/munge")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.chown(run_dir, "munge", "munge")
+        if not Path("/etc/munge/munge.key").exists():
+            subprocess.run(["mungekey", "--create"], check=True)
+            shutil.chown("/etc/munge/munge.key", "munge", "munge")
+        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
+
+    def _wait_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        states = ""
+        while time.monotonic() < deadline:
+            result = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False, timeout=10)
+            states = result.stdout.strip()
+            lines = states.splitlines()
+            if result.returncode == 0 and len(lines) == len(NODES) and all(s.split()[1] == "idle" for s in lines):
+                return
+            time.sleep(0.3)
+        raise ClusterError(f"nodes not idle after {timeout:.0f} s (sinfo: {states!r}); see {self.workdir}/log")
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    def down(self) -> None:
+        """Stop the daemons this cluster started and undo the /etc/hosts entries. Safe to call twice."""
+        if self.conf.exists():
+            subprocess.run(["scontrol", "shutdown"], env=self.env(), capture_output=True, timeout=30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and self._running("slurmd", "slurmctld"):
+            time.sleep(0.2)
+        for name in ("slurmd", "slurmctld"):  # whatever did not stop by itself
+            subprocess.run(["pkill", "-9", "-f", f"{name} .*{self.conf}"], capture_output=True)
+        hosts = Path("/etc/hosts")
+        text = hosts.read_text()
+        if _HOSTS_MARK in text:
+            hosts.write_text("".join(line for line in text.splitlines(True) if _HOSTS_MARK not in line))
+
+    def _running(self, *names: str) -> bool:
+        return any(
+            subprocess.run(["pgrep", "-f", f"{name} .*{self.conf}"], capture_output=True).returncode == 0
+            for name in names
+        )
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            return self.up()
+        except BaseException:
+            self.down()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    # -- jobs ----------------------------------------------------------------------------------
+
+    def submit_and_wait(
+        self, script: str | os.PathLike, *args: str, timeout: float = 120.0, env: dict[str, str] | None = None
+    ) -> tuple[int, str]:
+        """``sbatch --wait`` a script; return (exit code, job id). Extra ``args`` go before the script."""
+        result = subprocess.run(
+            ["sbatch", "--parsable", "--wait", *args, str(script)],
+            env={**self.env(), **(env or {})}, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        job_id = result.stdout.strip().split(";")[0]
+        return result.returncode, job_id
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m scalebook.cluster", description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=("up", "down", "status"))
+    parser.add_argument("--workdir", default=os.environ.get("SCALEBOOK_CLUSTER_DIR", "/tmp/scalebook-slurm"),
+                        help="where the configuration, logs and state live (default: %(default)s)")  # fmt: skip
+    args = parser.parse_args(argv)
+    cluster = LocalCluster(args.workdir)
+    if args.action == "up":
+        cluster.up()
+        print(f"cluster up: export SLURM_CONF={cluster.conf}")
+    elif args.action == "down":
+        cluster.down()
+        print("cluster down")
+    else:
+        print(cluster.run("sinfo", check=False).stdout or "cluster not running")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Count what a rank communicates: every collective and point-to-point call, and the bytes it sends.
+
+Inside ``with count_traffic() as traffic:`` the ``torch.distributed`` functions are wrapped so that each
+call is recorded as a :class:`CommCall` before it runs (the call itself is unchanged, async or not).
+Point-to-point calls are counted exactly: ``send``/``isend`` send the tensor's bytes, ``recv``/``irecv``
+send nothing. A library collective (``all_reduce``, ``all_gather_into_tensor``, ...) does not say how it
+moves its bytes, so it is counted as the bandwidth-optimal ring algorithm would send them
+(:func:`scalebook.accounting.comm.bytes_sent_per_rank`), which is what NCCL does for large messages;
+all-to-all, whose bytes do not depend on the algorithm, is counted exactly. A collective built from
+``send``/``recv`` (such as ``scalebook.dist.collectives.ring_all_reduce``) is therefore measured, not
+assumed.
+
+Only calls made through the Python functions of ``torch.distributed`` are seen: torch's
+``DistributedDataParallel`` issues its all-reduces from C++ (count them with a communication hook), and
+DTensor uses functional collectives (count them with ``torch.distributed.tensor.debug.CommDebugMode``).
+
+Source: PyTorch documentation, "Distributed communication package - torch.distributed".
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from scalebook.accounting.comm import bytes_sent_per_rank
+
+
+@dataclass(frozen=True)
+class CommCall:
+    """One communication call as this rank issued it."""
+
+    op: str  # the torch.distributed function name
+    message_bytes: int  # the full logical message (see the module docstring)
+    group_size: int
+    bytes_sent: float  # by this rank
+    peer: int | None = None  # the other rank (global) of a point-to-point call, or a gather's/scatter's root
+
+
+@dataclass
+class Traffic:
+    """The calls recorded on this rank, with totals by operation."""
+
+    calls: list[CommCall] = field(default_factory=list)
+
+    def of(self, *ops: str) -> list[CommCall]:
+        """The calls whose ``op`` is one of ``ops`` (all calls when none is given)."""
+        return [c for c in self.calls if not ops or c.op in ops]
+
+    def count(self, *ops: str) -> int:
+        return len(self.of(*ops))
+
+    def bytes_sent(self, *ops: str) -> float:
+        return sum(c.bytes_sent for c in self.of(*ops))
+
+    def by_op(self) -> dict[str, tuple[int, float]]:
+        """``{op: (calls, bytes sent)}`` in the order the operations first appeared."""
+        calls = Counter(c.op for c in self.calls)
+        return {op: (calls[op], self.bytes_sent(op)) for op in dict.fromkeys(c.op for c in self.calls)}
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group)
+
+
+_P2P = {"send": True, "isend": True, "recv": False, "irecv": False}  # op -> does this rank send?
+
+
+def _global_rank(group, rank: int | None, group_rank: int | None) -> int | None:
+    """The global rank a call names, by ``dst``/``src`` (already global) or ``group_dst``/``group_src``."""
+    if rank is not None or group_rank is None or group is None:
+        return rank if rank is not None else group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def _root(group, rank: int | None, group_rank: int | None) -> int:
+    """The global rank of a gather's or scatter's root; group rank 0 when the call names none."""
+    root = _global_rank(group, rank, group_rank)
+    return root if root is not None else _global_rank(group, None, 0)
+
+
+def _describe(op: str, a: dict) -> tuple[int, object, int | None, float | None]:
+    """(message bytes, group, peer, exact bytes sent or None for "count it as the ring would")."""
+    group = a.get("group")
+    if op in _P2P:
+        peer = _global_rank(group, a.get("dst", a.get("src")), a.get("group_dst", a.get("group_src")))
+        sent = float(_nbytes(a["tensor"])) if _P2P[op] else 0.0
+        return _nbytes(a["tensor"]), group, peer, sent
+    if op in ("all_reduce", "broadcast", "reduce"):
+        return _nbytes(a["tensor"]), group, None, None
+    if op in ("all_gather_into_tensor", "all_gather_single"):
+        return _nbytes(a["output_tensor"]), group, None, None
+    if op in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        return _nbytes(a["input"]), group, None, None
+    if op == "all_gather":
+        return sum(map(_nbytes, a["tensor_list"])), group, None, None
+    if op == "reduce_scatter":
+        return sum(map(_nbytes, a["input_list"])), group, None, None
+    me = dist.get_rank(group)
+    if op == "all_to_all":
+        inputs = a["input_tensor_list"]
+        return sum(map(_nbytes, inputs)), group, None, float(sum(_nbytes(t) for i, t in enumerate(inputs) if i != me))
+    if op == "all_to_all_single":
+        inp, splits = a["input"], a.get("input_split_sizes")
+        kept = splits[me] * (_nbytes(inp) // inp.shape[0]) if splits else _nbytes(inp) // _size(group)
+        return _nbytes(inp), group, None, float(_nbytes(inp) - kept)
+    if op == "gather":  # every rank but the destination sends its tensor
+        root = _root(group, a.get("dst"), a.get("group_dst"))
+        is_root = dist.get_rank() == root
+        return _nbytes(a["tensor"]) * _size(group), group, root, 0.0 if is_root else float(_nbytes(a["tensor"]))
+    if op == "scatter":  # the source sends every other rank its piece
+        root = _root(group, a.get("src"), a.get("group_src"))
+        pieces = a.get("scatter_list") or []
+        sent = sum(_nbytes(t) for i, t in enumerate(pieces) if i != me) if dist.get_rank() == root else 0
+        return _nbytes(a["tensor"]) * _size(group), group, root, float(sent)
+    return 0, group, None, 0.0  # barrier
+
+
+_RING_OP = {
+    "all_reduce": "all_reduce",
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+    "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+}
+WRAPPED = tuple(_P2P) + tuple(_RING_OP) + ("all_to_all", "all_to_all_single", "gather", "scatter", "barrier")
+
+_lock = threading.Lock()
+_active: list[Traffic] = []  # nested count_traffic() blocks all record
+_originals: dict[str, object] = {}
+_inside = threading.local()  # set while a recorded call runs: what it calls itself is not recorded again
+
+
+def _wrap(op: str, original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def recorded(*args, **kwargs):
+        if _active and not getattr(_inside, "busy", False):
+            bound = signature.bind(*args, **kwargs)
+            message, group, peer, exact = _describe(op, bound.arguments)
+            n = _size(group)
+            sent = exact if exact is not None else bytes_sent_per_rank(_RING_OP[op], message, n)
+            call = CommCall(op, message, n, sent, peer)
+            for traffic in _active:
+                traffic.calls.append(call)
+        return _call_quietly(original, *args, **kwargs)
+
+    recorded.__scalebook_original__ = original
+    return recorded
+
+
+def _batch_isend_irecv(p2p_op_list):
+    original = _originals["batch_isend_irecv"]
+    for p in p2p_op_list:
+        # batch_isend_irecv tells sends from receives by identity with c10d.isend: keep them consistent.
+        is_send = getattr(p.op, "__scalebook_original__", p.op) is _originals["isend"]
+        p.op = c10d.isend if is_send else c10d.irecv
+        if _active and not getattr(_inside, "busy", False):
+            n = _size(p.group)
+            call = CommCall("isend" if is_send else "irecv", _nbytes(p.tensor), n,
+                            float(_nbytes(p.tensor)) if is_send else 0.0, p.peer)  # fmt: skip
+            for traffic in _active:
+                traffic.calls.append(call)
+    return _call_quietly(original, p2p_op_list)
+
+
+def _call_quietly(original, *args, **kwargs):
+    """Run a recorded call without recording the calls it makes (send is isend + wait in torch 2.13)."""
+    outer = getattr(_inside, "busy", False)
+    _inside.busy = True
+    try:
+        return original(*args, **kwargs)
+    finally:
+        _inside.busy = outer
+
+
+def _install() -> None:
+    for op in WRAPPED:
+        _originals[op] = getattr(c10d, op)
+        wrapped = _wrap(op, _originals[op])
+        setattr(c10d, op, wrapped)
+        setattr(dist, op, wrapped)
+    _originals["batch_isend_irecv"] = c10d.batch_isend_irecv
+    c10d.batch_isend_irecv = _batch_isend_irecv
+    dist.batch_isend_irecv = _batch_isend_irecv
+
+
+def _uninstall() -> None:
+    for op, original in _originals.items():
+        setattr(c10d, op, original)
+        setattr(dist, op, original)
+    _originals.clear()
+
+
+@contextmanager
+def count_traffic() -> Iterator[Traffic]:
+    """Record this rank's communication calls while the block runs; yields the :class:`Traffic`."""
+    traffic = Traffic()
+    with _lock:
+        if not _active:
+            _install()
+        _active.append(traffic)
+    try:
+        yield traffic
+    finally:
+        with _lock:
+            _active.remove(traffic)
+            if not _active:
+                _uninstall()
