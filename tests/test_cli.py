@@ -102,3 +102,28 @@ def test_torchrun_restarts_a_failed_job_from_its_last_checkpoint(tmp_path):
     assert checkpoint.latest_step(ckpt) == 6  # ... and the restarted one finished
     finished = losses_of(run.stdout)
     assert all(finished[s] == reference[s] for s in range(1, 7))
+
+
+def test_a_sharded_checkpoint_consolidates_into_our_model_and_hf_gpt2(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    from scalebook.model import GPT, GPTConfig
+
+    ckpt, single_ckpt = tmp_path / "fsdp", tmp_path / "single"
+    train(*SMALL, "--strategy", "fsdp", "--checkpoint-dir", str(ckpt), nproc=2)
+    train(*SMALL, "--checkpoint-dir", str(single_ckpt))
+    out, hf_dir = tmp_path / "model.pt", tmp_path / "hf"
+    result = subprocess.run([PY, "-m", "scalebook.checkpoint", str(ckpt), str(out), "--hf", str(hf_dir)],
+                            env=ENV, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "step 6 of a 2-rank run" in result.stdout
+    ours = GPT(GPTConfig.named("tiny"))
+    ours.load_state_dict(torch.load(out, weights_only=True))
+    # The same training on one process: equal up to float32 summation order after 6 Adam steps.
+    reference = checkpoint.load_shard(single_ckpt, 6, 0)["model"]
+    for name, tensor in ours.state_dict().items():
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-5)
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir)
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, ours.eval()(x)[0], rtol=1e-5, atol=1e-5)

@@ -16,6 +16,7 @@ train       a single-device training loop; ``python -m scalebook.train`` is the 
 cli         that entry point: every strategy, under torchrun or srun, with metrics and checkpoints
 checkpoint  atomic, per-rank checkpoints and resuming
 cluster     a real two-node SLURM cluster on one machine, for tests and readers
+hf_train    the same model trained by Hugging Face's Trainer on a ``datasets`` text loader
 measure     measured counterparts of the accounting formulas (bytes held, step time)
 accounting  closed-form parameter, memory, FLOP and time arithmetic (pure Python)
 configs     published model and hardware configurations
@@ -42,6 +43,7 @@ _SUBMODULES = (
     "dist",
     "embeddings",
     "generate",
+    "hf_train",
     "measure",
     "model",
     "notebook",

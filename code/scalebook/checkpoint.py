@@ -12,6 +12,11 @@ filesystems), and ``latest`` is updated only after every rank's file exists, so 
 saving leaves the previous checkpoint intact and ``latest`` pointing at it. Loading uses
 ``torch.load(weights_only=True)``: a checkpoint holds tensors, numbers and strings, never code.
 
+A sharded checkpoint (FSDP2 splits every parameter along its first dimension over the ranks) is
+turned into one ordinary state dict by :func:`consolidate`, which concatenates the shards in rank
+order; ``python -m scalebook.checkpoint CKPT OUT.pt [--hf DIR]`` writes it for ``GPT.load_state_dict``
+and, with ``--hf``, as a Hugging Face ``GPT2LMHeadModel`` directory.
+
 Source: PyTorch documentation, "Saving and loading models" and ``torch.load(weights_only=True)``;
 POSIX ``rename(2)``.
 """
@@ -81,3 +86,54 @@ def load_shard(root: str | os.PathLike, step: int, rank: int) -> dict:
             f"{path} is missing: the checkpoint was written by a different number of ranks or strategy"
         )
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def consolidate(root: str | os.PathLike, step: int | None = None) -> tuple[dict, dict]:
+    """The full model state dict of checkpoint ``step`` (default: the latest), and its metadata.
+
+    Sharded entries are concatenated along dimension 0 in rank order; replicated entries are taken
+    from rank 0. The metadata has the model size, the step and the world size that wrote it.
+    """
+    step = latest_step(root) if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no complete checkpoint under {root} (no 'latest' file)")
+    first = load_shard(root, step, 0)
+    shards = (
+        [first] + [load_shard(root, step, r) for r in range(1, first["world_size"])] if first["sharded"] else [first]
+    )
+    state = {}
+    for name, tensor in first["model"].items():
+        state[name] = torch.cat([s["model"][name] for s in shards]) if name in first["sharded"] else tensor
+    return state, {"model_size": first["model_size"], "step": step, "world_size": first["world_size"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from scalebook.model import GPT, GPTConfig
+
+    parser = argparse.ArgumentParser(
+        prog="python -m scalebook.checkpoint", description="Consolidate a (sharded) training checkpoint into one file."
+    )
+    parser.add_argument("checkpoint_dir", help="the --checkpoint-dir of a training run")
+    parser.add_argument("output", help="the single .pt file to write (a GPT state dict)")
+    parser.add_argument("--step", type=int, default=None, help="which step (default: the latest complete one)")
+    parser.add_argument("--hf", default=None, help="also save a Hugging Face GPT2LMHeadModel to this directory")
+    args = parser.parse_args(argv)
+    state, meta = consolidate(args.checkpoint_dir, args.step)
+    model = GPT(GPTConfig.named(meta["model_size"]))
+    model.load_state_dict(state)  # strict: a missing or misshapen tensor fails here, before anything is written
+    atomic_save(state, args.output)
+    if args.hf:
+        model.to_hf().save_pretrained(args.hf)
+    print(
+        f"step {meta['step']} of a {meta['world_size']}-rank run -> {args.output}"
+        + (f" and {args.hf}" if args.hf else "")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

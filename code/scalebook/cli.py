@@ -282,7 +282,10 @@ def run(args: argparse.Namespace) -> list[float]:
                 progress.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
             if args.checkpoint_dir and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
                 if sharded or rank == 0:
-                    state = {"model": _local(model.state_dict()), "optimizer": _local(optimizer.state_dict()),
+                    model_state = model.state_dict()
+                    state = {"model": _local(model_state), "optimizer": _local(optimizer.state_dict()),
+                             "sharded": [k for k, v in model_state.items() if type(v).__name__ == "DTensor"],
+                             "world_size": env.world_size, "model_size": args.model,
                              "generator": generator.get_state(), "losses": torch.tensor(losses, dtype=torch.float64),
                              "step": step + 1, "args": json.dumps(vars(args))}  # fmt: skip
                     checkpoint.save_shard(args.checkpoint_dir, step + 1, rank, state)
