@@ -1,38 +1,23 @@
 """`python -m scalebook.train`: arguments checked up front, the same losses on 1 and 2 ranks, bit-identical
 resume after a crash, and recovery by torchrun's restarts."""
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from scalebook import checkpoint
-from scalebook.cli import build_parser, main
+from scalebook.cli import LocalRun, build_parser, main, run_local
 
 PY = sys.executable
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 SMALL = ["--steps", "6", "--micro-batch", "2", "--global-batch", "4", "--seq-len", "32", "--no-progress"]
 
 
-def losses_of(stdout: str) -> dict[int, float]:
-    """Step -> loss from the JSON metric lines (a re-run step keeps its last value)."""
-    out = {}
-    for line in stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            out[record["step"]] = record["loss"]
-    return out
-
-
-def train(*args: str, nproc: int = 0, check: bool = True, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    launcher = [PY, "-m", "scalebook.train"] if nproc == 0 else [
-        TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *extra, "-m", "scalebook.train"]  # fmt: skip
-    result = subprocess.run([*launcher, *args], env=ENV, capture_output=True, text=True, timeout=120)
+def train(*args: str, nproc: int = 1, check: bool = True, extra: tuple[str, ...] = ()) -> LocalRun:
+    result = run_local(list(args), nproc=nproc, torchrun_args=extra, timeout=120)
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -58,9 +43,9 @@ def test_invalid_combinations_fail_with_one_message_before_any_work(capsys):
 def test_two_ranks_reach_the_single_process_losses():
     # Same global batch of 4 sequences: one process, or two ranks of 2. Summation order differs, so the
     # losses agree to float32 rounding (1e-6 relative), not bit for bit.
-    single = losses_of(train(*SMALL).stdout)
-    ddp = losses_of(train(*SMALL, "--strategy", "torch-ddp", nproc=2).stdout)
-    fsdp = losses_of(train(*SMALL, "--strategy", "fsdp", nproc=2).stdout)
+    single = train(*SMALL).losses
+    ddp = train(*SMALL, "--strategy", "torch-ddp", nproc=2).losses
+    fsdp = train(*SMALL, "--strategy", "fsdp", nproc=2).losses
     assert sorted(single) == sorted(ddp) == sorted(fsdp) == list(range(1, 7))
     for step in single:
         assert ddp[step] == pytest.approx(single[step], rel=1e-6)
@@ -68,13 +53,13 @@ def test_two_ranks_reach_the_single_process_losses():
 
 
 def test_resume_after_a_crash_gives_bit_identical_losses(tmp_path):
-    reference = losses_of(train(*SMALL).stdout)
+    reference = train(*SMALL).losses
     ckpt = tmp_path / "ckpt"
     crashed = train(*SMALL, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--simulate-failure-at", "3",
                     check=False)  # fmt: skip
     assert crashed.returncode == 1 and "simulated failure before step 3" in crashed.stderr
     assert checkpoint.latest_step(ckpt) == 2
-    resumed = losses_of(train(*SMALL, "--checkpoint-dir", str(ckpt), "--resume").stdout)
+    resumed = train(*SMALL, "--checkpoint-dir", str(ckpt), "--resume").losses
     assert sorted(resumed) == [3, 4, 5, 6]  # it continued from step 2, not from the start
     for step, loss in resumed.items():
         assert loss == reference[step]  # bit-identical: same data, same state, same arithmetic
@@ -83,24 +68,24 @@ def test_resume_after_a_crash_gives_bit_identical_losses(tmp_path):
 
 
 def test_sharded_fsdp_checkpoint_resumes_bit_identically(tmp_path):
-    reference = losses_of(train(*SMALL, "--strategy", "fsdp", nproc=2).stdout)
+    reference = train(*SMALL, "--strategy", "fsdp", nproc=2).losses
     ckpt = tmp_path / "ckpt"
     train(*SMALL, "--strategy", "fsdp", "--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
           nproc=2)  # fmt: skip
     assert sorted(p.name for p in checkpoint.step_dir(ckpt, 4).iterdir()) == ["rank0.pt", "rank1.pt"]
-    resumed = losses_of(train(*SMALL, "--strategy", "fsdp", "--checkpoint-dir", str(ckpt), "--resume", nproc=2).stdout)
+    resumed = train(*SMALL, "--strategy", "fsdp", "--checkpoint-dir", str(ckpt), "--resume", nproc=2).losses
     assert sorted(resumed) == [5, 6]
     assert all(resumed[s] == reference[s] for s in resumed)
 
 
 def test_torchrun_restarts_a_failed_job_from_its_last_checkpoint(tmp_path):
-    reference = losses_of(train(*SMALL, "--strategy", "torch-ddp", nproc=2).stdout)
+    reference = train(*SMALL, "--strategy", "torch-ddp", nproc=2).losses
     ckpt = tmp_path / "ckpt"
     run = train(*SMALL, "--strategy", "torch-ddp", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
                 "--resume", "--simulate-failure-at", "3", nproc=2, extra=("--max-restarts=1",))  # fmt: skip
     assert "simulated failure before step 3" in run.stderr  # the first attempt died ...
     assert checkpoint.latest_step(ckpt) == 6  # ... and the restarted one finished
-    finished = losses_of(run.stdout)
+    finished = run.losses
     assert all(finished[s] == reference[s] for s in range(1, 7))
 
 

@@ -2,7 +2,7 @@
 
 The same command trains on one CPU process, on N local ranks under ``torchrun``, or on a GPU cluster
 under ``srun`` (SLURM's variables are read when torchrun's are absent): gloo on CPUs, NCCL on GPUs,
-chosen by :func:`scalebook.dist.backend_and_device`. Every rank draws the same global batch of
+chosen by :func:`scalebook.dist.launch.backend_and_device`. Every rank draws the same global batch of
 ``--global-batch`` sequences and keeps its data-parallel slice, cut into micro-batches of
 ``--micro-batch``; so the logged loss (the mean over the global batch) is the same whatever the number
 of ranks, which is how a run on 4 ranks is checked against one on a single process.
@@ -302,6 +302,41 @@ def run(args: argparse.Namespace) -> list[float]:
             dist.barrier()
             dist.destroy_process_group()
     return losses
+
+
+@dataclass
+class LocalRun:
+    """The outcome of :func:`run_local`: exit code, the metric records rank 0 printed, and stderr."""
+
+    returncode: int
+    records: list[dict]
+    stderr: str
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """Step -> loss; a step run twice (before a crash and after a resume) keeps its last value."""
+        return {r["step"]: r["loss"] for r in self.records}
+
+
+def run_local(
+    train_args: list[str], *, nproc: int = 1, torchrun_args: tuple[str, ...] = (), timeout: float = 300.0
+) -> LocalRun:
+    """Run ``python -m scalebook.train`` in a subprocess: directly, or under ``torchrun`` with ``nproc`` ranks.
+
+    For notebooks and tests: the ranks get one thread each, and the JSON metric lines are parsed.
+    """
+    import subprocess
+
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    python = sys.executable
+    launcher = [python, "-m", "scalebook.train"] if nproc == 1 and not torchrun_args else [
+        python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *torchrun_args,
+        "-m", "scalebook.train"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([*launcher, *train_args], env=env, capture_output=True, text=True, timeout=timeout)
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return LocalRun(done.returncode, records, done.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -348,3 +348,337 @@ def cumulative_mass(
     ax.set_title(title)
     ax.legend(fontsize=9, loc="lower right")
     return fig
+
+
+def pipeline_gantt(rows, *, title: str = "", time_label: str = "time", labels: bool = True, ax=None):
+    """A pipeline timeline: a lane per rank, a box per forward (F) or backward (B; or I and W when the
+    backward is split) of one micro-batch, numbered by micro-batch.
+
+    ``rows[rank]`` is a list of ``(start, end, kind, micro-batch, chunk)``; a rank's later model chunks
+    (interleaved schedules) are drawn in lighter shades of the same colour. Empty lane space is bubble;
+    ``kind="recv"`` items (a measured rank waiting for a message) are drawn as thin grey lines in it.
+    """
+    import matplotlib.colors as mcolors
+    from matplotlib.patches import Patch
+
+    new_figure = ax is None
+    fig, ax = _figure(ax)
+    colors = {"F": "tab:blue", "B": "tab:green", "I": "tab:olive", "W": "tab:orange"}
+    names = {
+        "F": "forward",
+        "B": "backward",
+        "I": "backward (input)",
+        "W": "backward (weights)",
+        "recv": "waiting to receive",
+    }
+    span = max((end for row in rows for _, end, *_ in row), default=1.0)
+    seen, n_chunks = [], 1 + max((item[4] for row in rows for item in row), default=0)
+    for rank, row in enumerate(rows):
+        for start, end, kind, microbatch, chunk in row:
+            if kind not in seen:
+                seen.append(kind)
+            if kind == "recv":
+                ax.broken_barh([(start, end - start)], (rank - 0.05, 0.1), facecolors="0.6")
+                continue
+            base = mcolors.to_rgb(colors[kind])
+            shade = 0.55 * chunk / max(1, n_chunks - 1)  # mix with white: later chunks lighter
+            color = tuple(c + (1 - c) * shade for c in base)
+            ax.broken_barh(
+                [(start, end - start)], (rank - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.6
+            )
+            if labels and end - start > 0.012 * span:
+                ax.text(
+                    (start + end) / 2,
+                    rank,
+                    str(microbatch),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if shade < 0.3 else "black",
+                )
+    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(0, span * 1.01)
+    ax.grid(axis="y", visible=False)
+    ax.set_xlabel(time_label)
+    ax.set_title(title, fontsize=10)
+    handles = [Patch(color=colors.get(k, "0.6"), label=names[k]) for k in seen]
+    if n_chunks > 1:
+        handles.append(
+            Patch(color=tuple(c + (1 - c) * 0.55 for c in mcolors.to_rgb("tab:grey")), label="later chunk (lighter)")
+        )
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    if new_figure:
+        fig.tight_layout()
+    return fig
+
+
+def bubble_vs_microbatches(
+    formula: dict[str, tuple[Sequence[float], Sequence[float]]],
+    measured: dict[str, tuple[Sequence[float], Sequence[float]]],
+    *,
+    title: str = "",
+    ax=None,
+):
+    """Pipeline bubble fraction against the number of micro-batches: each schedule's formula as a line
+    (``formula[name] = (Ms, fractions)``) and its measured values as markers in the same colour."""
+    fig, ax = _figure(ax)
+    colors = plt.get_cmap("tab10").colors
+    markers = "osD^v"
+    for i, name in enumerate(dict.fromkeys([*formula, *measured])):
+        color = colors[i % len(colors)]
+        if name in formula:
+            ax.plot(*formula[name], color=color, linestyle="--", linewidth=1.2, label=f"{name}: formula")
+        if name in measured:
+            ax.plot(
+                *measured[name],
+                color=color,
+                linestyle="none",
+                marker=markers[i % len(markers)],
+                markersize=6,
+                label=f"{name}: measured",
+            )
+    ms = sorted({m for xs, _ in [*formula.values(), *measured.values()] for m in xs})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.minorticks_off()
+    ax.set_xlabel("micro-batches per step (M)")
+    ax.set_ylabel("bubble: idle share of the step")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def collective_before_after(cases: dict, *, owner=None, title: str = "", cell: float = 0.3):
+    """Each rank's buffer before (left) and after (right) a collective, one row of axes per collective.
+
+    ``cases[name] = (before, after)``, each a list over ranks of the values a rank holds (``None``: the rank
+    holds no such buffer, drawn as a dash). A cell per element shows its value; ``owner(value)`` names the
+    rank a value came from and colours the cell like that rank's label; values it returns ``None`` for
+    (sums of several ranks' values) are grey.
+    """
+    from matplotlib.patches import Rectangle
+
+    colors = plt.get_cmap("tab10").colors
+    n_ranks = max(len(buffers) for pair in cases.values() for buffers in pair)
+    widths = [tuple(max(len(v or [None]) for v in buffers) for buffers in pair) for pair in cases.values()]
+    gap, margin = 3.0, 3.2  # cells between the two sides; room for the rank labels
+    span = max(before + gap + after for before, after in widths)
+    fig, axes = plt.subplots(len(cases), 1, squeeze=False,
+                             figsize=((span + margin) * cell, len(cases) * (n_ranks + 1.8) * cell + 0.4))  # fmt: skip
+    for ax, (name, pair), (width_before, _) in zip(axes[:, 0], cases.items(), widths):
+        for x0, buffers in zip((0.0, width_before + gap), pair):
+            for rank, values in enumerate(buffers):
+                y = n_ranks - 1 - rank
+                if values is None:
+                    ax.text(x0 + 0.5, y + 0.5, "-", ha="center", va="center", fontsize=8, color="0.4")
+                    continue
+                for j, value in enumerate(values):
+                    who = owner(value) if owner else None
+                    face = (*colors[who % 10], 0.4) if who is not None else (0.8, 0.8, 0.8, 1.0)
+                    ax.add_patch(Rectangle((x0 + j, y), 1, 1, facecolor=face, edgecolor="white", linewidth=1))
+                    ax.text(x0 + j + 0.5, y + 0.5, f"{value:g}", ha="center", va="center", fontsize=6.5)
+        for rank in range(n_ranks):
+            ax.text(-0.3, n_ranks - rank - 0.5, f"rank {rank}", ha="right", va="center", fontsize=7.5,
+                    color=colors[rank % 10])  # fmt: skip
+        ax.annotate("", xy=(width_before + gap - 0.5, n_ranks / 2), xytext=(width_before + 0.5, n_ranks / 2),
+                    arrowprops={"arrowstyle": "->", "color": "0.3"})  # fmt: skip
+        ax.set_title(name, loc="left", fontsize=9, x=0.0)
+        ax.set_xlim(-margin, span)
+        ax.set_ylim(-0.1, n_ranks + 0.1)
+        ax.set_aspect("equal")
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def tensor_parallel_times(
+    tps: Sequence[int],
+    compute: Sequence[float],
+    communication: dict[str, Sequence[float]],
+    *,
+    node_size: int | None = 8,
+    title: str = "",
+    ax=None,
+):
+    """Seconds per layer against the tensor-parallel degree, log-log: ``compute[i]`` at ``tps[i]`` and one
+    communication curve per link (``communication[label]``); degrees beyond ``node_size`` are shaded."""
+    from matplotlib.ticker import NullLocator
+
+    fig, ax = _figure(ax)
+    ax.plot(tps, [1e3 * c for c in compute], "o-", color="black", linewidth=2, label="compute")
+    colors = ("tab:green", "tab:red", "tab:blue", "tab:purple")
+    for (label, times), color in zip(communication.items(), colors):
+        ax.plot(tps, [1e3 * t for t in times], "s--", color=color, label=f"communication, {label}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(list(tps), [str(t) for t in tps])
+    ax.xaxis.set_minor_locator(NullLocator())
+    if node_size is not None and max(tps) > node_size:
+        ax.axvspan(node_size * 1.15, max(tps) * 1.3, color="0.5", alpha=0.12, linewidth=0)
+        ax.text(node_size * 1.25, 0.97, f"more than {node_size} GPUs:\nthe ring leaves the node",
+                transform=ax.get_xaxis_transform(), va="top", fontsize=8, color="0.3")  # fmt: skip
+    ax.set_xlim(min(tps) / 1.3, max(tps) * 1.3)
+    ax.set_xlabel("tensor-parallel degree t")
+    ax.set_ylabel("ms per layer (forward + backward)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=3, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def measured_vs_formula_bars(
+    labels: Sequence[str],
+    measured: Sequence[float],
+    formula: Sequence[float],
+    *,
+    unit: float = 2**20,
+    unit_label: str = "MiB",
+    title: str = "",
+    ax=None,
+):
+    """Side-by-side bars of a measured quantity and its closed-form prediction, one pair per label."""
+    fig, ax = _figure(ax)
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], [m / unit for m in measured], width=0.4, color="tab:blue", label="measured")
+    ax.bar([i + 0.2 for i in x], [f / unit for f in formula], width=0.4, color="tab:orange", label="formula")
+    ax.set_xticks(list(x), list(labels))
+    ax.set_ylabel(unit_label)
+    ax.set_title(title)
+    ax.legend(fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def zero_memory_vs_dp(
+    dp: Sequence[int],
+    formula: dict[str, Sequence[float]],
+    measured: dict[str, Sequence[tuple[int, float]]],
+    *,
+    n_params: float,
+    mark_dp: int | None = None,
+    title: str = "",
+    ax=None,
+):
+    """Model-state bytes per parameter on one device against the data-parallel degree, one line per ZeRO stage.
+
+    ``formula[label]`` holds bytes per parameter at each ``dp``; ``measured[label]`` holds (dp, bytes per
+    parameter) points, drawn as markers in the line's colour. The right axis reads the same curves in GB
+    for a model of ``n_params`` parameters; ``mark_dp`` draws a vertical guide and labels each line there.
+    """
+    from matplotlib.ticker import FuncFormatter
+
+    fig, ax = _figure(ax)
+    colors = plt.get_cmap("tab10").colors
+    for i, (label, values) in enumerate(formula.items()):
+        ax.plot(dp, values, color=colors[i], linewidth=1.8, label=f"{label} (formula)")
+        points = measured.get(label, [])
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], linestyle="none", marker="o",
+                    markersize=7, markerfacecolor="none", markeredgewidth=1.6, color=colors[i])  # fmt: skip
+        if mark_dp is not None:
+            value = values[list(dp).index(mark_dp)]
+            gb = value * n_params / 1e9
+            ax.annotate(f"{gb:.0f} GB" if gb >= 100 else f"{gb:.1f} GB", (mark_dp, value), xytext=(5, 3),
+                        textcoords="offset points", fontsize=8, color=colors[i])  # fmt: skip
+    if mark_dp is not None:
+        ax.axvline(mark_dp, color="0.5", linestyle=":", linewidth=1)
+    ax.plot([], [], linestyle="none", marker="o", markerfacecolor="none", color="0.3", label="measured (tiny GPT)")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.set_yscale("log")
+    ax.set_xlabel("data-parallel degree $N_d$")
+    ax.set_ylabel("bytes per parameter per device")
+    right = ax.secondary_yaxis("right", functions=(lambda b: b * n_params / 1e9, lambda gb: gb * 1e9 / n_params))
+    right.set_ylabel(f"GB per device for {n_params / 1e9:.3g}B parameters")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    return fig
+
+
+def step_timeline(
+    timelines: dict[str, Sequence[tuple[str, float, float]]],
+    *,
+    title: str = "",
+    unit: float = 1e-3,
+    unit_label: str = "ms",
+):
+    """One training step per setup as a Gantt chart: a compute lane (forward, backward, sync, optimizer)
+    above a communication lane (each all-reduce from launch to completion), so that overlap shows as bars
+    at the same time in both lanes. ``timelines[setup]`` is a list of ``(kind, start, end)`` in seconds;
+    ``kind`` "all-reduce" goes to the communication lane. Each setup's clock starts at its first span."""
+    from matplotlib.patches import Patch
+
+    colors = {"forward": "tab:blue", "backward": "tab:orange", "sync": "0.65", "optimizer": "tab:green"}
+    comm_colors = ("tab:red", "darkred")  # alternate, so that neighbouring all-reduces stay apart
+    height = 0.42 * 2 * len(timelines) + 1.5
+    fig, ax = plt.subplots(figsize=(9.0, height))
+    ticks, labels = [], []
+    for i, (setup, spans) in enumerate(timelines.items()):
+        origin = min(start for _, start, _ in spans)
+        compute_y, comm_y = 2 * i, 2 * i + 1
+        ticks += [compute_y, comm_y]
+        labels += [f"{setup}: compute", f"{setup}: all-reduce"]
+        comm = sorted((s for s in spans if s[0] == "all-reduce"), key=lambda s: s[1])
+        for k, (_, start, end) in enumerate(comm):
+            ax.barh(comm_y, (end - start) / unit, left=(start - origin) / unit, height=0.7, color=comm_colors[k % 2])
+        for kind, start, end in spans:
+            if kind != "all-reduce":
+                ax.barh(
+                    compute_y,
+                    (end - start) / unit,
+                    left=(start - origin) / unit,
+                    height=0.7,
+                    color=colors.get(kind, "tab:purple"),
+                )
+        if i:
+            ax.axhline(compute_y - 0.5, color="0.3", linewidth=0.8)
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.set_ylim(len(ticks) - 0.5, -0.5)
+    ax.set_xlabel(f"time since the step started ({unit_label})")
+    ax.grid(axis="y", visible=False)
+    ax.set_title(title, fontsize=10)
+    handles = [Patch(color=c, label="sync_gradients()" if k == "sync" else k) for k, c in colors.items()]
+    handles.append(Patch(color=comm_colors[0], label="all-reduce (launch to completion)"))
+    fig.legend(handles=handles, loc="lower center", ncol=5, frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0.45 / height, 1, 1))
+    return fig
+
+
+def scaling_curve(
+    measured: dict[str, tuple[Sequence[int], Sequence[float]]],
+    *,
+    predicted: dict[str, tuple[Sequence[int], Sequence[float]]] | None = None,
+    kind: str = "strong",
+    title: str = "",
+    ax=None,
+):
+    """Scaling against the number of ranks N (log2 axis): strong scaling plots the speed-up T(1)/T(N) at a
+    fixed global batch (ideal: N), weak scaling the efficiency T(1)/T(N) at a fixed batch per rank
+    (ideal: 1). ``measured`` series are drawn solid with markers, ``predicted`` ones dashed; each maps a
+    label to ``(ranks, values)``."""
+    if kind not in ("strong", "weak"):
+        raise ValueError(f"kind must be 'strong' or 'weak', got {kind!r}")
+    fig, ax = _figure(ax)
+    series = {**measured, **(predicted or {})}
+    ranks = sorted({n for xs, _ in series.values() for n in xs})
+    ideal = ranks if kind == "strong" else [1.0] * len(ranks)
+    ax.plot(ranks, ideal, color="0.5", linestyle=":", linewidth=1.2, label="ideal")
+    for label, (xs, ys) in measured.items():
+        ax.plot(xs, ys, marker="o", linewidth=1.5, label=label)
+    for label, (xs, ys) in (predicted or {}).items():
+        ax.plot(xs, ys, marker="s", markersize=4, linestyle="--", linewidth=1.2, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ranks, [str(n) for n in ranks])
+    ax.minorticks_off()
+    ax.set_xlabel("ranks N")
+    ax.set_ylabel("speed-up T(1) / T(N)" if kind == "strong" else "efficiency T(1) / T(N)")
+    ax.set_ylim(0, None)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    return fig

@@ -26,7 +26,8 @@ volume as a reduce-scatter of gradients plus an all-gather of parameters); ZeRO-
 parameters twice (forward and backward) and reduce-scatters the gradients: 3 (n-1)/n Psi bytes.
 Tensor parallelism all-reduces the layer's s b h activations twice in the forward and twice in the
 backward of each layer; sequence parallelism replaces each all-reduce by a reduce-scatter and an
-all-gather of the same total volume.
+all-gather of the same total volume, and (as Megatron-LM does) re-gathers the sequence-sharded inputs
+of two linear layers in the backward instead of keeping them: two more all-gathers per layer.
 
 Source: Patarasuk and Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
 workstations"; Thakur, Rabenseifner and Gropp 2005, "Optimization of Collective Communication

@@ -112,9 +112,20 @@ def init_from_env(timeout: float = 600.0) -> DistEnv:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE) and keeps it across restarts;
+        # without a per-attempt prefix, restarted ranks read their dead predecessors' addresses and hang.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=env.rank == 0 and not agent_store,
+            timeout=timedelta(seconds=timeout),
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
             backend,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            store=dist.PrefixStore(f"scalebook/attempt{attempt}", store),
             rank=env.rank,
             world_size=env.world_size,
             timeout=timedelta(seconds=timeout),
