@@ -236,8 +236,8 @@ def run(args: argparse.Namespace) -> list[float]:
     model.train()
     try:
         for step in range(start, args.steps):
-            if args.simulate_failure_at == step and first_attempt and rank == env.world_size - 1:
-                print(f"rank {rank}: simulated failure before step {step}", file=sys.stderr, flush=True)
+            if args.simulate_failure_at == step + 1 and first_attempt and rank == env.world_size - 1:
+                print(f"rank {rank}: simulated failure before step {step + 1}", file=sys.stderr, flush=True)
                 os._exit(1)
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)

@@ -398,7 +398,10 @@ def pipeline_gantt(rows, *, title: str = "", time_label: str = "time", labels: b
                 )
     ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
     ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xlim(0, span * 1.01)
+    # Panels sharing the time axis (sharex=True) must all fit: keep the longest span drawn so far.
+    ax._scalebook_span = span
+    longest = max(getattr(a, "_scalebook_span", 0.0) for a in ax.get_shared_x_axes().get_siblings(ax))
+    ax.set_xlim(0, longest * 1.01)
     ax.grid(axis="y", visible=False)
     ax.set_xlabel(time_label)
     ax.set_title(title, fontsize=10)

@@ -10,6 +10,7 @@ chapters check these numbers against.
     time     mfu, training_days, devices_needed
     comm     bytes_sent_per_rank, alpha_beta_time, data_parallel_bytes_per_step,
              tensor_parallel_bytes_per_layer
+    pipeline bubble_fraction, peak_in_flight, p2p_bytes_per_step, balanced_partition
 
 Source: Rajbhandari et al. 2020 (ZeRO); Korthikanti et al. 2022 (activation recomputation);
 Kaplan et al. 2020 and Narayanan et al. 2021 (FLOPs); Chowdhery et al. 2022 (MFU).
@@ -32,6 +33,7 @@ from scalebook.accounting.memory import (
     model_state_bytes,
 )
 from scalebook.accounting.params import param_breakdown, param_count, param_count_closed_form
+from scalebook.accounting.pipeline import bubble_fraction
 from scalebook.accounting.time import devices_needed, mfu, training_days
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "ModelStateBytes",
     "activation_bytes",
     "alpha_beta_time",
+    "bubble_fraction",
     "bytes_sent_per_rank",
     "data_parallel_bytes_per_step",
     "devices_needed",
