@@ -203,12 +203,20 @@ class LocalCluster:
     # -- jobs ----------------------------------------------------------------------------------
 
     def submit_and_wait(
-        self, script: str | os.PathLike, *args: str, timeout: float = 120.0, env: dict[str, str] | None = None
+        self,
+        script: str | os.PathLike,
+        *args: str,
+        timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
     ) -> tuple[int, str]:
-        """``sbatch --wait`` a script; return (exit code, job id). Extra ``args`` go before the script."""
+        """``sbatch --wait`` a script from ``cwd`` (where its log lands); return (exit code, job id).
+
+        Extra ``args`` go to ``sbatch`` before the script.
+        """
         result = subprocess.run(
             ["sbatch", "--parsable", "--wait", *args, str(script)],
-            env={**self.env(), **(env or {})}, capture_output=True, text=True, timeout=timeout,
+            env={**self.env(), **(env or {})}, capture_output=True, text=True, timeout=timeout, cwd=cwd,
         )  # fmt: skip
         job_id = result.stdout.strip().split(";")[0]
         return result.returncode, job_id

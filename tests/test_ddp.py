@@ -1,0 +1,211 @@
+"""DDP from scratch: every version trains exactly like torch DDP and like one process on the global batch."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from scalebook import configs, data
+from scalebook.accounting import data_parallel_bytes_per_step, training_flops_with_attention
+from scalebook.dist import launch
+from scalebook.model import GPT, GPTConfig
+from scalebook.parallel.ddp import (
+    MIB,
+    AllReduceDDP,
+    BucketedDDP,
+    DataParallelRun,
+    OverlappedDDP,
+    predicted_step_time,
+    train_data_parallel,
+)
+from scalebook.train import TrainConfig, train
+
+MINI = GPTConfig.named("tiny", n_layer=2, n_embd=64, block_size=64)
+TRAIN = TrainConfig(steps=5, batch_size=2, seq_len=64, warmup_steps=2, progress=False)
+CAP_MB = 0.05  # about 52 KB: the mini model's 0.48 MB of gradients fill 7 buckets
+VERSIONS = ("allreduce", "bucketed", "overlapped", "torch")
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+# fp64: only the order of the gradient sums differs between runs (rounding ~1e-16), so 1e-10 is loose.
+# fp32: the losses agree to 1e-6, but AdamW divides by sqrt(v), so a weight whose gradient is ~0 (the
+# key bias of attention has an exactly zero gradient) turns a 1e-7 rounding difference into a visible
+# step: 3e-6 is the worst element measured over 5 steps at N=4 (torch DDP itself against one process);
+# 1e-5 leaves room and is 0.3 % of the learning rate.
+PARAM_TOL = {"fp32": 1e-5, "fp64": 1e-10}
+LOSS_TOL = 1e-6
+
+
+def every_version():
+    """On each rank: all versions and torch DDP in fp32 and fp64, plus the checks that need ranks."""
+    results = {}
+    for dtype_name, dtype in DTYPES.items():
+        for version in VERSIONS:
+            results[version, dtype_name] = train_data_parallel(
+                version, MINI, TRAIN, bucket_cap_mb=CAP_MB, dtype=dtype, keep_params=True
+            )
+    # Accumulation: 2 micro-batches per rank, the first under no_sync().
+    accumulate = TrainConfig(steps=5, batch_size=2, grad_accum=2, seq_len=64, warmup_steps=2, progress=False)
+    results["accumulate"] = train_data_parallel(
+        "overlapped", MINI, accumulate, bucket_cap_mb=CAP_MB, dtype=torch.float64, keep_params=True
+    )
+    # Each rank builds its model from its own seed; the wrapper must replace it by rank 0's weights.
+    torch.manual_seed(dist.get_rank())
+    wrapped = AllReduceDDP(GPT(MINI))
+    results["after_wrap"] = {name: p.detach().clone() for name, p in wrapped.module.named_parameters()}
+    # sync_gradients() after a backward that ran entirely under no_sync() must refuse, not return stale grads.
+    overlapped = OverlappedDDP(GPT(MINI), bucket_cap_mb=CAP_MB)
+    x, y = data.get_batch(data.tokenize("hello world " * 20), 2, 16, torch.Generator().manual_seed(0))
+    with overlapped.no_sync():
+        overlapped(x, y)[1].backward()
+    try:
+        overlapped.sync_gradients()
+        results["sync_after_no_sync"] = "no error"
+    except RuntimeError as error:
+        results["sync_after_no_sync"] = str(error)
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
+def ranks(request):
+    n = request.param
+    return n, launch(every_version, n, timeout=120)
+
+
+def single_process(dtype, batch_size, grad_accum):
+    """The book's one-process training loop on the same global batches (one thread, like each rank)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(TRAIN.seed)
+        model = GPT(MINI).to(dtype)
+        cfg = TrainConfig(steps=TRAIN.steps, batch_size=batch_size, grad_accum=grad_accum, seq_len=TRAIN.seq_len,
+                          warmup_steps=TRAIN.warmup_steps, progress=False)  # fmt: skip
+        result = train(model, data.tokenize(data.default_corpus()), cfg)
+    finally:
+        torch.set_num_threads(threads)
+    return result.losses, {name: p.detach() for name, p in model.named_parameters()}
+
+
+def max_param_diff(a, b):
+    return max((a[name].double() - b[name].double()).abs().max().item() for name in b)
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_every_version_matches_torch_ddp(ranks, dtype_name):
+    n, results = ranks
+    reference = results[0]["torch", dtype_name]
+    for version in VERSIONS[:3]:
+        run = results[0][version, dtype_name]
+        assert max(abs(a - b) for a, b in zip(run["losses"], reference["losses"])) <= LOSS_TOL, version
+        assert max_param_diff(run["params"], reference["params"]) <= PARAM_TOL[dtype_name], version
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_every_version_matches_single_process_on_the_global_batch(ranks, dtype_name):
+    n, results = ranks
+    # Each rank's 2 sequences are one micro-batch of the single process: n micro-batches of 2 per step.
+    losses, params = single_process(DTYPES[dtype_name], TRAIN.batch_size, n)
+    for version in VERSIONS:
+        run = results[0][version, dtype_name]
+        assert max(abs(a - b) for a, b in zip(run["losses"], losses)) <= LOSS_TOL, version
+        assert max_param_diff(run["params"], params) <= PARAM_TOL[dtype_name], version
+
+
+def test_replicas_stay_bit_identical_across_ranks(ranks):
+    n, results = ranks
+    for key in [(v, d) for v in VERSIONS for d in DTYPES] + ["accumulate"]:
+        for rank in range(1, n):
+            assert max_param_diff(results[rank][key]["params"], results[0][key]["params"]) == 0.0, key
+
+
+def test_initial_weights_are_broadcast_from_rank_0(ranks):
+    n, results = ranks
+    torch.manual_seed(0)
+    rank0 = {name: p.detach() for name, p in GPT(MINI).named_parameters()}
+    for rank in range(n):
+        assert max_param_diff(results[rank]["after_wrap"], rank0) == 0.0
+
+
+def test_no_sync_accumulation_equals_one_large_batch(ranks):
+    n, results = ranks
+    losses, params = single_process(torch.float64, TRAIN.batch_size, 2 * n)  # the same 4n sequences per step
+    run = results[0]["accumulate"]
+    assert max(abs(a - b) for a, b in zip(run["losses"], losses)) <= LOSS_TOL
+    assert max_param_diff(run["params"], params) <= PARAM_TOL["fp64"]
+
+
+def test_every_version_sends_the_formula_bytes_and_calls_differ(ranks):
+    n, results = ranks
+    model = GPT(MINI)
+    formula = data_parallel_bytes_per_step(model.num_parameters(), n, grad_bytes=4)
+    runs = {version: results[0][version, "fp32"] for version in VERSIONS}
+    for version, run in runs.items():
+        assert all(math.isclose(b, formula, rel_tol=1e-12) for b in run["bytes_sent"]), version
+    assert runs["allreduce"]["calls"] == [len(list(model.parameters()))] * TRAIN.steps  # one per tensor
+    # torch DDP puts everything in one bucket for its first step, then rebuilds buckets in gradient order.
+    torch_buckets = runs["torch"]["calls"][1]
+    assert runs["torch"]["calls"][0] == 1 and torch_buckets > 1
+    assert runs["bucketed"]["calls"] == runs["overlapped"]["calls"] == [torch_buckets] * TRAIN.steps
+
+
+def test_buckets_hold_the_same_parameters_as_torch_ddp(ranks):
+    n, results = ranks
+    ours = results[0]["overlapped", "fp32"]["buckets"]
+    theirs = results[0]["torch", "fp32"]["buckets"]
+    # Within a bucket torch keeps the order gradients arrived in (a LayerNorm's weight before its bias).
+    assert [sorted(b) for b in ours] == [sorted(b) for b in theirs]
+
+
+def test_overlapped_ddp_all_reduces_during_backward_and_bucketed_after(ranks):
+    n, results = ranks
+
+    def first_all_reduce_and_backward_end(spans):
+        launches = [s.start for s in spans if s.kind == "all-reduce"]
+        return min(launches), max(s.end for s in spans if s.kind == "backward")
+
+    launched, backward_end = first_all_reduce_and_backward_end(results[0]["overlapped", "fp32"]["spans"])
+    assert launched < backward_end
+    launched, backward_end = first_all_reduce_and_backward_end(results[0]["bucketed", "fp32"]["spans"])
+    assert launched > backward_end
+    assert all(not math.isnan(s.end) for s in results[0]["overlapped", "fp32"]["spans"])
+
+
+def test_sync_gradients_refuses_after_a_backward_inside_no_sync(ranks):
+    n, results = ranks
+    assert "0 of 7 buckets were sent" in results[0]["sync_after_no_sync"]
+
+
+def test_bad_bucket_cap_raises_before_any_communication():
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):
+        BucketedDDP(GPT(MINI), bucket_cap_mb=0)
+
+
+def test_wrapping_without_a_process_group_raises():
+    with pytest.raises(ValueError, match="no process group"):
+        AllReduceDDP(GPT(MINI))
+
+
+def test_unknown_version_raises():
+    with pytest.raises(ValueError, match="version must be one of"):
+        DataParallelRun("sharded", MINI, TRAIN)
+
+
+def test_predicted_step_time_by_hand_for_gpt2_on_8_h100():
+    gpt2 = configs.get_model("gpt2")
+    peak = configs.get_hardware("h100-sxm").peak("bf16")
+    bandwidth = configs.get_link("nvlink-4").bandwidth
+    tokens = 8 * 1024
+    got = predicted_step_time(gpt2, tokens, 8, seq_len=1024, peak_flops=peak, mfu=0.4, bandwidth=bandwidth,
+                              alpha=5e-6)  # fmt: skip
+    compute = training_flops_with_attention(gpt2, tokens, seq_len=1024) / (0.4 * peak)
+    grad_bytes = 4 * 124_439_808  # GPT-2 small's exact parameter count (HF GPT2LMHeadModel, tied head)
+    buckets = math.ceil(grad_bytes / (25 * MIB))
+    # Ring all-reduce of each bucket: 2 (n - 1) steps of (alpha + (M / k) / (n B)).
+    comm = buckets * 2 * 7 * (5e-6 + grad_bytes / buckets / (8 * bandwidth))
+    assert got["compute"] == pytest.approx(compute, rel=1e-12)
+    assert got["comm"] == pytest.approx(comm, rel=1e-12)
+    assert got["serial"] == pytest.approx(compute + comm, rel=1e-12)
+    assert got["overlapped"] == pytest.approx(compute / 3 + max(2 * compute / 3, comm), rel=1e-12)
+    single = predicted_step_time(gpt2, tokens, 1, seq_len=1024, peak_flops=peak, mfu=0.4, bandwidth=bandwidth,
+                                 alpha=5e-6)  # fmt: skip
+    assert single["comm"] == 0.0 and single["serial"] == single["overlapped"] == pytest.approx(compute)
