@@ -44,23 +44,11 @@ from torch import nn
 
 from scalebook import data
 from scalebook.dist import count_traffic
+from scalebook.measure import StateBytes  # bytes by kind; the fp32 master weights count as optimizer state
 from scalebook.model import GPT, GPTConfig
 
 STAGES = (0, 1, 2, 3)
 QUANT_BLOCK = 256  # values sharing one int8 scale in the quantized all-gather
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Bytes of model state one rank holds, by kind (the fp32 master weights count as optimizer state)."""
-
-    params: int
-    grads: int
-    optimizer: int
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer
 
 
 class FlatUnit:
