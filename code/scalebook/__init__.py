@@ -17,6 +17,8 @@ cli         that entry point: every strategy, under torchrun or srun, with metri
 checkpoint  atomic, per-rank checkpoints and resuming
 cluster     a real two-node SLURM cluster on one machine, for tests and readers
 hf_train    the same model trained by Hugging Face's Trainer on a ``datasets`` text loader
+parity      loss-parity checks between parallel layouts
+labs        deliberately broken variants and the tools that diagnose them (Chapter 16)
 measure     measured counterparts of the accounting formulas (bytes held, step time)
 accounting  closed-form parameter, memory, FLOP and time arithmetic (pure Python)
 configs     published model and hardware configurations
@@ -44,10 +46,12 @@ _SUBMODULES = (
     "embeddings",
     "generate",
     "hf_train",
+    "labs",
     "measure",
     "model",
     "notebook",
     "parallel",
+    "parity",
     "plots",
     "positions",
     "tokenizer",

@@ -103,7 +103,9 @@ def consolidate(root: str | os.PathLike, step: int | None = None) -> tuple[dict,
     )
     state = {}
     for name, tensor in first["model"].items():
-        state[name] = torch.cat([s["model"][name] for s in shards]) if name in first["sharded"] else tensor
+        full = torch.cat([s["model"][name] for s in shards]) if name in first["sharded"] else tensor
+        # DistributedDataParallel saves its wrapped model's names under "module."; the model itself has none.
+        state[name.removeprefix("module.")] = full
     return state, {"model_size": first["model_size"], "step": step, "world_size": first["world_size"]}
 
 

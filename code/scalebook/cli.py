@@ -7,9 +7,22 @@ chosen by :func:`scalebook.dist.launch.backend_and_device`. Every rank draws the
 ``--micro-batch``; so the logged loss (the mean over the global batch) is the same whatever the number
 of ranks, which is how a run on 4 ranks is checked against one on a single process.
 
-Strategies: ``single`` (one process), ``torch-ddp`` (PyTorch's DistributedDataParallel) and ``fsdp``
-(PyTorch's FSDP2 ``fully_shard`` on every block); the book's from-scratch implementations join this list
-as the parallelism chapters build them.
+Strategies. PyTorch's own: ``single`` (one process), ``torch-ddp`` (``DistributedDataParallel``) and
+``fsdp`` (FSDP2 ``fully_shard`` on every block). The book's from-scratch implementations:
+
+* ``ddp``: Chapter 10's :class:`scalebook.parallel.ddp.OverlappedDDP`, bucketed all-reduces started during
+  backward (``--bucket-cap-mb``), ``no_sync`` on every micro-batch but the last.
+* ``zero1``, ``zero2``, ``zero3``: Chapter 11's ZeRO engines (:func:`scalebook.parallel.zero.zero_data_parallel`),
+  which own flat parameter shards and run Adam on them. An adapter here gives them what the loop needs:
+  the learning rate of each step, gradient accumulation (stages 2 and 3 reduce-scatter every
+  micro-batch and sum the shards), weight decay on matrices only and global-norm clipping over the
+  shards (one all-reduce of the squared norms). Each rank checkpoints its own master and moment shards.
+* ``tp``: Chapter 12's :class:`scalebook.parallel.tensor.TensorParallelGPT` over all ranks (``--tp`` = the
+  number of ranks; no data-parallel dimension), AdamW on each rank's shards, clipping over the shards.
+
+Every strategy is the same computation as ``single`` up to float32 rounding, so the logged losses agree
+to about 1e-6 relative. Checkpoints of ``zero*`` and ``tp`` also carry, in rank 0's file, the full model
+gathered from the shards, so :func:`scalebook.checkpoint.consolidate` reads them like a replicated one.
 
 Rank 0 prints one JSON object per logged step to stdout (``step``, ``loss``, ``lr``, ``world_size``, ``tokens_per_s``,
 ``step_time``, ``state_bytes``, and ``mfu`` when ``--peak-flops`` is given) and appends the same lines to
@@ -34,7 +47,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-STRATEGIES = ("single", "torch-ddp", "fsdp")
+STRATEGIES = ("single", "torch-ddp", "fsdp", "ddp", "zero1", "zero2", "zero3", "tp")
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+MODEL_PARALLEL = {"tp": ("tp",)}  # the model-parallel dimensions each strategy has (none for the others)
+PER_RANK_FILES = ("fsdp", "zero1", "zero2", "zero3", "tp")  # strategies whose ranks hold distinct state
 SIZES = ("tiny", "small", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
@@ -46,9 +62,23 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("layout")
-    g.add_argument("--strategy", choices=STRATEGIES, default="single", help="how the work is split across ranks")
-    g.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: all ranks)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    g.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="single",
+        help="how the work is split across ranks: PyTorch's single / torch-ddp / fsdp, or the book's ddp "
+        "(Ch. 10), zero1 / zero2 / zero3 (Ch. 11), tp (Ch. 12, with --tp = the number of ranks)",
+    )
+    g.add_argument(
+        "--dp", type=int, default=None, help="data-parallel degree (default: the ranks left after tp x pp x cp)"
+    )
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (only --strategy tp; all ranks)")
+    g.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="gradient bucket size in MiB for ddp and torch-ddp; None means PyTorch's 25",
+    )
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     g.add_argument("--cp", type=int, default=1, help="context-parallel degree")
     g = p.add_argument_group("model and data")
@@ -109,9 +139,16 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
     if args.resume and not args.checkpoint_dir:
         problems.append("--resume needs --checkpoint-dir")
     for name in ("tp", "pp", "cp"):
-        if getattr(args, name) != 1:
+        if getattr(args, name) != 1 and name not in MODEL_PARALLEL.get(args.strategy, ()):
             problems.append(f"--strategy {args.strategy} has no {name.upper()} dimension; leave --{name} at 1")
-    dp = args.dp if args.dp is not None else world_size
+    if args.bucket_cap_mb is not None:
+        if args.strategy not in ("ddp", "torch-ddp"):
+            problems.append(f"--bucket-cap-mb sizes the gradient buckets of ddp and torch-ddp; drop it for "
+                            f"--strategy {args.strategy}")  # fmt: skip
+        elif not args.bucket_cap_mb > 0:
+            problems.append(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
+    model_parallel = max(1, args.tp) * max(1, args.pp) * max(1, args.cp)
+    dp = args.dp if args.dp is not None else max(1, world_size // model_parallel)
     if args.strategy == "single" and world_size != 1:
         problems.append(f"--strategy single runs on one process, but {world_size} ranks were started; "
                         "choose torch-ddp or fsdp, or start one process")  # fmt: skip
@@ -124,8 +161,21 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
             f"--global-batch ({args.global_batch}) must be a multiple of --micro-batch x dp "
             f"= {per_step}; e.g. --global-batch {max(per_step, args.global_batch // per_step * per_step)}"
         )
+    if args.strategy == "tp" and dp != 1:
+        problems.append(f"--strategy tp splits every layer over all ranks and has no data-parallel dimension: "
+                        f"set --tp to the {world_size} ranks started (got --tp {args.tp}, dp {dp})")  # fmt: skip
+    if args.strategy in ZERO_STAGES and torch.cuda.is_available():
+        problems.append(f"--strategy {args.strategy}: the ZeRO engines of Chapter 11 keep their flat shards in CPU "
+                        "memory; on GPUs use --strategy fsdp")  # fmt: skip
     from scalebook.model import GPTConfig
 
+    if args.strategy == "tp" and args.tp >= 1:
+        from scalebook.parallel.tensor import validate_tensor_parallel
+
+        try:
+            validate_tensor_parallel(GPTConfig.named(args.model), args.tp)
+        except ValueError as error:
+            problems.append(f"--strategy tp --tp {args.tp}: {error}")
     if args.seq_len > GPTConfig.named(args.model).block_size:
         problems.append(f"--seq-len {args.seq_len} exceeds {args.model}'s context of "
                         f"{GPTConfig.named(args.model).block_size} tokens")  # fmt: skip
@@ -134,11 +184,16 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
     return Layout(args.strategy, world_size, dp, args.global_batch // per_step)
 
 
-def _wrap(model: torch.nn.Module, strategy: str, device: torch.device) -> torch.nn.Module:
+def _wrap(model: torch.nn.Module, strategy: str, device: torch.device, bucket_cap_mb: float | None) -> torch.nn.Module:
+    buckets = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}  # None: each class's default
     if strategy == "torch-ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **buckets)
+    if strategy == "ddp":
+        from scalebook.parallel.ddp import OverlappedDDP
+
+        return OverlappedDDP(model, **buckets)
     if strategy == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -148,6 +203,123 @@ def _wrap(model: torch.nn.Module, strategy: str, device: torch.device) -> torch.
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     return model
+
+
+def _clip_grad_norm_over_shards(
+    sharded: list[torch.Tensor], replicated: list[torch.Tensor], max_norm: float
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` when each rank holds a different part of the gradients.
+
+    The global L2 norm needs every rank's shards: their squared norms are summed over the ranks (one
+    all-reduce of one number); gradients that every rank holds identically (``replicated``) count once.
+    """
+    squares = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in sharded]).sum()
+    dist.all_reduce(squares)
+    if replicated:
+        squares = squares + torch.stack([torch.linalg.vector_norm(g) ** 2 for g in replicated]).sum()
+    total = squares.sqrt()
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula, epsilon included
+    for g in [*sharded, *replicated]:
+        g.mul_(coefficient)
+    return total
+
+
+class _ZeroAdamW:
+    """Chapter 11's ZeRO engine (stage 1, 2 or 3) behind the optimizer calls of the training loop.
+
+    The engine owns each unit's flat parameter shard with its Adam moments and updates it with
+    :func:`scalebook.parallel.zero.adam_update` (torch's AdamW arithmetic). Its own ``step(x, y)`` runs one
+    batch at a fixed learning rate, so this adapter drives the engine's parts itself and adds what the
+    loop needs: ``param_groups[0]["lr"]`` set each step, gradient accumulation, global-norm clipping over
+    the shards, weight decay on matrices only (as :func:`scalebook.train.make_optimizer`), and a state
+    dict of this rank's shards.
+    """
+
+    def __init__(self, model: torch.nn.Module, stage: int, cfg):
+        from scalebook.parallel.zero import zero_data_parallel
+
+        # Weight decay is applied below, matrix by matrix; the engine's own (every element) stays off.
+        self.engine = zero_data_parallel(model, stage, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=0.0)
+        self.weight_decay = cfg.weight_decay
+        self.param_groups = [{"lr": cfg.lr}]
+        self.decayed = [self._decayed_slices(unit) for unit in self.engine.units]
+        self.accumulated: list[torch.Tensor] | None = None
+
+    def _decayed_slices(self, unit) -> list[slice]:
+        """Where this rank's shard of ``unit`` holds elements of matrices (dim >= 2), in shard coordinates."""
+        owned = self.engine._owned(unit)
+        slices, offset = [], 0
+        for p in unit.params:
+            start, end = max(offset, owned.start), min(offset + p.numel(), owned.stop)
+            if p.dim() >= 2 and start < end:
+                slices.append(slice(start - owned.start, end - owned.start))
+            offset += p.numel()
+        return slices
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine._zero_grads()
+        self.accumulated = None
+
+    def micro_batch_done(self) -> None:
+        """Stages 2 and 3 reduce-scatter during backward, overwriting the gradient shard: add it to a sum.
+
+        Stage 1 needs nothing: its full gradients accumulate in place until :meth:`reduce_gradients`.
+        """
+        if self.engine.stage < 2:
+            return
+        shards = [unit.grad_shard for unit in self.engine.units]
+        if self.accumulated is None:
+            self.accumulated = [shard.clone() for shard in shards]
+        else:
+            for total, shard in zip(self.accumulated, shards):
+                total.add_(shard)
+
+    def reduce_gradients(self) -> None:
+        """Leave each unit's ``grad_shard`` holding this rank's shard of the mean gradient of the step."""
+        if self.engine.stage < 2:
+            self.engine._reduce_gradients()
+        else:
+            for unit, total in zip(self.engine.units, self.accumulated):
+                unit.grad_shard.copy_(total)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return _clip_grad_norm_over_shards([unit.grad_shard for unit in self.engine.units], [], max_norm)
+
+    def step(self) -> None:
+        from scalebook.parallel.zero import adam_update
+
+        engine, lr = self.engine, self.param_groups[0]["lr"]
+        engine.steps += 1
+        for unit, decayed in zip(engine.units, self.decayed):
+            for piece in decayed:  # AdamW's decoupled decay, theta <- theta (1 - lr wd), as torch computes it
+                unit.master[piece].mul_(1 - lr * self.weight_decay)
+            adam_update(unit.master, unit.grad_shard, unit.exp_avg, unit.exp_avg_sq, step=engine.steps, lr=lr,
+                        betas=engine.hyper["betas"], eps=engine.hyper["eps"], weight_decay=0.0)  # fmt: skip
+            engine._after_update(unit)  # stages 1 and 2 all-gather the updated shards; stage 3 gathers lazily
+
+    def state_dict(self) -> dict:
+        units = self.engine.units
+        return {"steps": self.engine.steps, "master": [u.master.clone() for u in units],
+                "exp_avg": [u.exp_avg.clone() for u in units],
+                "exp_avg_sq": [u.exp_avg_sq.clone() for u in units]}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.steps = int(state["steps"])
+        with torch.no_grad():
+            for i, unit in enumerate(self.engine.units):
+                for key in ("master", "exp_avg", "exp_avg_sq"):
+                    getattr(unit, key).copy_(state[key][i])
+                self.engine._after_update(unit)  # the full parameters of stages 1 and 2 from every rank's shard
+
+    def held_bytes(self) -> int:
+        return self.engine.held_bytes().total
+
+
+def _gpt_state_dict(model: torch.nn.Module, parameters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict ``GPT.load_state_dict`` expects (the tied head included) from full parameters named
+    as in ``model.named_parameters()``."""
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    return {name: parameters[canonical[id(p)]] for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _local(obj):
@@ -203,24 +375,43 @@ def run(args: argparse.Namespace) -> list[float]:
     if distributed:
         init_from_env()
     _, device = backend_and_device(env.local_rank)
-    rank, dp_rank = env.rank, env.rank  # every rank is a data-parallel rank in these strategies
+    rank = env.rank
+    # Every rank is a data-parallel rank, except under tp, where all ranks share one batch.
+    dp_rank = 0 if args.strategy == "tp" else env.rank
+    zero, tp = args.strategy in ZERO_STAGES, args.strategy == "tp"
     torch.manual_seed(args.seed)
     config = GPTConfig.named(args.model)
-    model = GPT(config).to(device)
-    model = _wrap(model, args.strategy, device)
+    gpt = GPT(config).to(device)
     cfg = TrainConfig(steps=args.steps, batch_size=args.micro_batch, grad_accum=layout.grad_accum,
                       seq_len=args.seq_len, lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps,
                       precision=args.precision, seed=args.seed, progress=False)  # fmt: skip
-    optimizer = make_optimizer(model, cfg)
+    if zero:
+        model, optimizer = gpt, _ZeroAdamW(gpt, ZERO_STAGES[args.strategy], cfg)
+    else:
+        if tp:
+            from scalebook.parallel.tensor import TensorParallelGPT, sharding_of
+
+            model = TensorParallelGPT.from_gpt(gpt).to(device)
+            split = {name for name, _ in model.named_parameters() if sharding_of(name) is not None}
+        else:
+            model = _wrap(gpt, args.strategy, device, args.bucket_cap_mb)
+        optimizer = make_optimizer(model, cfg)
+    unwrapped = model.module if args.strategy == "ddp" else model  # what ddp checkpoints: GPT's own names
+    data_parallel_wrapper = args.strategy in ("torch-ddp", "ddp")  # the two with no_sync()
     tokens = data.tokenize(data.load_text(args.data))
     generator = torch.Generator().manual_seed(args.seed)
     losses: list[float] = []
     start = 0
-    sharded = args.strategy == "fsdp"
+    sharded = args.strategy in PER_RANK_FILES
     if args.resume and checkpoint.latest_step(args.checkpoint_dir) is not None:
         start = checkpoint.latest_step(args.checkpoint_dir)
         state = checkpoint.load_shard(args.checkpoint_dir, start, rank if sharded else 0)
-        _load_local(model, optimizer, state)
+        if zero:
+            optimizer.load_state_dict(state["zero"])
+        elif tp:
+            _load_local(model, optimizer, {"model": state["local_model"], "optimizer": state["optimizer"]})
+        else:
+            _load_local(unwrapped, optimizer, state)
         generator.set_state(state["generator"])
         losses = state["losses"].tolist()
     per_rank = args.micro_batch * layout.grad_accum
@@ -250,23 +441,36 @@ def run(args: argparse.Namespace) -> list[float]:
             for i, (xm, ym) in enumerate(zip(x.chunk(layout.grad_accum), y.chunk(layout.grad_accum))):
                 last = i == layout.grad_accum - 1
                 # DDP communicates on the last micro-batch only; the others accumulate locally.
-                sync = model.no_sync() if args.strategy == "torch-ddp" and not last else contextlib.nullcontext()
+                sync = model.no_sync() if data_parallel_wrapper and not last else contextlib.nullcontext()
                 with sync, autocast_context(args.precision, device.type):
                     _, loss = model(xm, ym)
                     (loss / layout.grad_accum).backward()
+                if zero:
+                    optimizer.micro_batch_done()
                 step_loss += loss.detach() / layout.grad_accum
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if args.strategy == "ddp":
+                model.sync_gradients()  # wait for the bucket all-reduces that backward started
+            if zero:
+                optimizer.reduce_gradients()
+                optimizer.clip_grad_norm_(1.0)
+            elif tp:
+                named = list(model.named_parameters())
+                _clip_grad_norm_over_shards([p.grad for n, p in named if n in split],
+                                            [p.grad for n, p in named if n not in split], 1.0)  # fmt: skip
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
-            if distributed:
+            if distributed and layout.dp > 1:  # under tp every rank already has the loss of the whole batch
                 dist.all_reduce(step_loss)
-                step_loss /= env.world_size
+                step_loss /= layout.dp
             losses.append(step_loss.item())
             elapsed = time.perf_counter() - t0
             if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
                 record = {"step": step + 1, "loss": losses[-1], "lr": lr, "world_size": env.world_size,
                           "step_time": elapsed,
                           "tokens_per_s": tokens_per_step / elapsed,
-                          "state_bytes": model_state_bytes(model, optimizer).total}  # fmt: skip
+                          "state_bytes": optimizer.held_bytes() if zero
+                                         else model_state_bytes(model, optimizer).total}  # fmt: skip
                 if args.peak_flops:
                     from scalebook import accounting, configs
 
@@ -281,8 +485,21 @@ def run(args: argparse.Namespace) -> list[float]:
                 progress.update()
                 progress.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
             if args.checkpoint_dir and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-                if sharded or rank == 0:
-                    model_state = model.state_dict()
+                if zero or tp:
+                    # Rank 0's file also holds the full model, gathered from the shards (a collective), so
+                    # that consolidate() reads it like a replicated checkpoint.
+                    full = optimizer.engine.full_parameters() if zero else model.full_state_dict()
+                    state = {"model": _gpt_state_dict(gpt, full) if rank == 0 else {}, "sharded": [],
+                             "world_size": env.world_size, "model_size": args.model,
+                             "generator": generator.get_state(), "losses": torch.tensor(losses, dtype=torch.float64),
+                             "step": step + 1, "args": json.dumps(vars(args))}  # fmt: skip
+                    if zero:
+                        state["zero"] = optimizer.state_dict()  # this rank's master and moment shards
+                    else:
+                        state["local_model"], state["optimizer"] = model.state_dict(), optimizer.state_dict()
+                    checkpoint.save_shard(args.checkpoint_dir, step + 1, rank, state)
+                elif sharded or rank == 0:
+                    model_state = unwrapped.state_dict()
                     state = {"model": _local(model_state), "optimizer": _local(optimizer.state_dict()),
                              "sharded": [k for k, v in model_state.items() if type(v).__name__ == "DTensor"],
                              "world_size": env.world_size, "model_size": args.model,

@@ -1,0 +1,115 @@
+"""The book's own strategies in `python -m scalebook.train`: Chapter 10's DDP, Chapter 11's ZeRO stages and
+Chapter 12's tensor parallelism train to the single-process losses, resume bit-identically from their
+checkpoints, consolidate into the single-process model, and bad layouts fail before any rank starts."""
+
+import functools
+
+import pytest
+import torch
+
+from scalebook import checkpoint
+from scalebook.cli import LocalRun, build_parser, main, run_local, validate
+
+# One micro-batch of one sequence: the single process accumulates 4 micro-batches per step, each of two
+# ranks 2, so gradient accumulation (and no_sync, and ZeRO-2/3's sum of reduce-scattered shards) is used.
+# The gradient norm is 2 to 9 in these steps (measured), so the clipping at 1.0 acts on every step.
+SMALL = ["--steps", "6", "--micro-batch", "1", "--global-batch", "4", "--seq-len", "32", "--no-progress"]
+LAYOUT = {"ddp": ["--bucket-cap-mb", "0.5"], "tp": ["--tp", "2"]}  # 0.5 MiB: 7 buckets of the tiny GPT's 3 MiB
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "tp"]
+
+
+def train(*args: str, nproc: int = 1, check: bool = True) -> LocalRun:
+    result = run_local(list(args), nproc=nproc, timeout=120)
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def strategy_args(strategy: str) -> list[str]:
+    return [*SMALL, "--strategy", strategy, *LAYOUT.get(strategy, [])]
+
+
+@functools.cache
+def uninterrupted(strategy: str) -> dict[int, float]:
+    """The losses of a 2-rank run of ``strategy`` from start to end (run once, shared by the tests)."""
+    return train(*strategy_args(strategy), nproc=2).losses
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The reference: one process, torch's AdamW, the whole global batch; its losses and final weights."""
+    ckpt = tmp_path_factory.mktemp("single")
+    losses = train(*SMALL, "--checkpoint-dir", str(ckpt)).losses
+    return losses, checkpoint.consolidate(ckpt)[0]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategy_reaches_the_single_process_losses(strategy, single):
+    # The same arithmetic in a different summation order (gradients summed over ranks, norms over shards,
+    # tensor-parallel partial sums), so the losses agree to float32 rounding, 1e-6 relative, not bit for bit.
+    # The ZeRO engines' Adam is torch's AdamW(foreach=False) formula for formula, so it adds no difference.
+    reference, _ = single
+    losses = uninterrupted(strategy)
+    assert sorted(losses) == sorted(reference) == list(range(1, 7))
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-6)
+    assert losses[6] < losses[1] - 0.5  # it learns (and is not a constant that matches by chance)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategy_resumes_bit_identically_and_consolidates(strategy, single, tmp_path):
+    args = strategy_args(strategy)
+    ckpt = tmp_path / "ckpt"
+    crashed = train(*args, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--simulate-failure-at", "5",
+                    nproc=2, check=False)  # fmt: skip
+    assert crashed.returncode != 0 and "simulated failure before step 5" in crashed.stderr
+    assert checkpoint.latest_step(ckpt) == 4
+    resumed = train(*args, "--checkpoint-dir", str(ckpt), "--resume", nproc=2).losses
+    assert sorted(resumed) == [5, 6]  # it continued from step 4
+    # Bit-identical: the resumed steps are those of a run that never stopped, and the final checkpoint
+    # carries the losses that the crashed run logged before it saved.
+    full_run = uninterrupted(strategy)
+    assert [resumed[5], resumed[6]] == [full_run[5], full_run[6]]
+    saved = checkpoint.load_shard(ckpt, 6, 0)["losses"].tolist()
+    assert saved == [crashed.losses[s] for s in range(1, 5)] + [resumed[5], resumed[6]]
+    # Rank 0's file holds the full model, loadable by GPT and equal to single-process training's weights
+    # to float32 rounding after 6 Adam steps (the tolerance of test_cli's FSDP consolidation).
+    from scalebook.model import GPT, GPTConfig
+
+    state, meta = checkpoint.consolidate(ckpt)
+    assert meta == {"model_size": "tiny", "step": 6, "world_size": 2}
+    GPT(GPTConfig.named("tiny")).load_state_dict(state)  # strict: every key, every shape
+    _, reference = single
+    for name, tensor in reference.items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def problems(*argv: str, world_size: int) -> str:
+    with pytest.raises(ValueError) as error:
+        validate(build_parser().parse_args(list(argv)), world_size)
+    return str(error.value)
+
+
+def test_bad_layouts_of_the_new_strategies_fail_with_one_message_before_any_work(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--strategy", "zero2", "--bucket-cap-mb", "4", "--tp", "2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--bucket-cap-mb sizes the gradient buckets of ddp and torch-ddp; drop it for --strategy zero2" in err
+    assert "--strategy zero2 has no TP dimension; leave --tp at 1" in err
+    message = problems("--strategy", "tp", "--tp", "2", world_size=4)
+    assert "--strategy tp splits every layer over all ranks and has no data-parallel dimension: set --tp to " \
+           "the 4 ranks started (got --tp 2, dp 2)" in message  # fmt: skip
+    message = problems("--strategy", "tp", "--tp", "3", world_size=3)
+    assert "--strategy tp --tp 3: invalid tensor-parallel layout: n_head (4) must be divisible by tp (3)" in message
+    assert "dp x tp x pp x cp" not in message  # 3 ranks for --tp 3: the layout itself is consistent
+    assert "--bucket-cap-mb must be > 0, got 0.0" in problems("--strategy", "ddp", "--bucket-cap-mb", "0", world_size=2)
+    assert "--strategy ddp has no PP dimension; leave --pp at 1" in problems("--strategy", "ddp", "--pp", "2",
+                                                                             world_size=2)  # fmt: skip
+
+
+def test_valid_layouts_of_the_new_strategies_pass():
+    layout = validate(build_parser().parse_args(["--strategy", "tp", "--tp", "2", "--global-batch", "8"]), 2)
+    assert (layout.dp, layout.grad_accum) == (1, 2)  # tp: both ranks share each micro-batch of 4
+    layout = validate(build_parser().parse_args(["--strategy", "zero3", "--global-batch", "16"]), 2)
+    assert (layout.dp, layout.grad_accum) == (2, 2)
