@@ -112,3 +112,11 @@ def test_a_sharded_checkpoint_consolidates_into_our_model_and_hf_gpt2(tmp_path):
     x = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, ours.eval()(x)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_timed_out_run_leaves_no_rank_behind(tmp_path):
+    marker = f"--metrics={tmp_path / 'never.jsonl'}"  # a unique argument to find the ranks by
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_local([*SMALL, "--strategy", "torch-ddp", "--steps", "100000", marker], nproc=2, timeout=8)
+    survivors = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    assert survivors == []
