@@ -23,7 +23,8 @@ measure     measured counterparts of the accounting formulas (bytes held, step t
 accounting  closed-form parameter, memory, FLOP and time arithmetic (pure Python)
 configs     published model and hardware configurations
 dist        launching functions on N ranks, environment detection, collectives, traffic, cost model
-parallel    data, ZeRO, tensor, sequence and pipeline parallelism
+parallel    data, ZeRO, tensor, sequence, pipeline, context and expert parallelism; N-D meshes
+planner     search for a parallel layout of a model on a cluster
 generate    greedy, temperature, top-k and top-p sampling
 plots       the book's matplotlib figures
 widgets     ipywidgets calculators and explorers (with static fallbacks in the book)
@@ -52,6 +53,7 @@ _SUBMODULES = (
     "notebook",
     "parallel",
     "parity",
+    "planner",
     "plots",
     "positions",
     "tokenizer",

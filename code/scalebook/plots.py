@@ -685,3 +685,21 @@ def scaling_curve(
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     return fig
+
+
+def expert_load_imbalance(histories: dict, *, smooth: int = 5, title: str = "", ax=None):
+    """Max over mean expert load per training step, one line per balancing method (moving average of ``smooth``)."""
+    import numpy as np
+
+    fig, ax = _figure(ax)
+    for name, values in histories.items():
+        values = np.asarray(values, dtype=float)
+        kernel = np.ones(smooth) / smooth
+        smoothed = np.convolve(values, kernel, mode="valid")
+        ax.plot(np.arange(smooth - 1, len(values)), smoothed, label=name)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("max load / mean load")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    return fig

@@ -231,3 +231,51 @@ def attention_explorer(model, tokenizer, sentences, *, layer: int = 0, head: int
         control.observe(draw, names="value")
     draw()
     return w.VBox([sentence_box, w.HBox([layer_slider, head_slider]), out])
+
+
+# ---------------------------------------------------------------------------------------------- layout planner
+
+
+def plan_table_html(model: str, gpu: str, nodes: int, seq_len: int, batch_tokens: int, top: int = 10) -> str:
+    """The planner's best ``top`` layouts and its rejection counts as HTML (the widget's body)."""
+    from scalebook import planner
+
+    cluster = planner.Cluster(gpu=gpu, nodes=nodes)
+    result = planner.plan(model, seq_len=seq_len, global_batch_tokens=batch_tokens, cluster=cluster)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in planner.LAYOUT_HEADERS)
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>"
+        for row in planner.layout_table(result.ranked[:top])
+    )
+    reasons = ", ".join(f"{html.escape(r)}: {n}" for r, n in result.rejected.most_common())
+    if not result.ranked:
+        return f"<b>No feasible layout.</b> Rejected: {reasons}"
+    return f"<table><tr>{head}</tr>{rows}</table><p>Rejected: {reasons}</p>"
+
+
+def layout_planner(model: str = "llama-3.1-405b", gpu: str = "h100-sxm"):
+    """Pick a model, a GPU, a node count (8 GPUs each), a sequence and a batch; read the planner's ranking."""
+    import ipywidgets as w
+
+    style = {"description_width": "110px"}
+    controls = {
+        "model": w.Dropdown(description="model", options=configs.list_models(), value=model, style=style),
+        "gpu": w.Dropdown(description="GPU", options=configs.list_hardware(), value=gpu, style=style),
+        "nodes": w.Dropdown(description="nodes (x8 GPUs)", options=[2**k for k in range(12)], value=2048, style=style),
+        "seq_len": w.Dropdown(description="sequence", options=[2**k for k in range(10, 18)], value=8192, style=style),
+        "batch_tokens": w.Dropdown(
+            description="batch (tokens)", options=[2**k for k in range(19, 26)], value=2**24, style=style
+        ),
+    }
+    result = w.HTML()
+
+    def update(_change=None) -> None:
+        try:
+            result.value = plan_table_html(**{name: c.value for name, c in controls.items()})
+        except ValueError as error:
+            result.value = f"<b>Cannot plan:</b> {html.escape(str(error))}"
+
+    for control in controls.values():
+        control.observe(update, names="value")
+    update()
+    return w.VBox([w.HBox(list(controls.values())[:3]), w.HBox(list(controls.values())[3:]), result])

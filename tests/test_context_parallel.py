@@ -1,0 +1,65 @@
+"""Ring attention on 2 and 4 ranks equals causal attention on one rank; zig-zag balances the causal work."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scalebook.dist import launch
+from scalebook.parallel import context
+
+# Float32 sums over different block orders differ in the last bits: ~1e-6 here, so 1e-5 is a safe bound.
+TOLERANCE = 1e-5
+
+
+def test_reference_attention_equals_torch_sdpa():
+    q, k, v = (torch.randn(2, 3, 24, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(context.causal_attention(q, k, v), expected, atol=1e-6)
+
+
+def test_zigzag_gives_rank_r_chunks_r_and_2cp_minus_1_minus_r():
+    # 16 tokens, cp = 4: eight chunks of two; rank 1 holds chunks 1 and 6.
+    assert context.token_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
+    x = torch.arange(16.0).view(1, 16, 1)
+    pieces = [context.shard_sequence(x, 4, r, dim=1) for r in range(4)]
+    assert torch.equal(context.unshard_sequence(pieces, dim=1), x)
+
+
+def test_zigzag_balances_causal_work_and_contiguous_does_not():
+    # Hand count, s = 8, cp = 2: a query at position i sees i + 1 keys. Contiguous: 1+2+3+4 = 10 and
+    # 5+6+7+8 = 26. Zig-zag (chunks {0,3} and {1,2} of two tokens): 1+2+7+8 = 18 and 3+4+5+6 = 18.
+    assert context.unmasked_scores(8, 2, "contiguous") == [10, 26]
+    assert context.unmasked_scores(8, 2, "zigzag") == [18, 18]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_output_and_gradients_equal_one_rank(cp):
+    result = launch(context.compare_ring_attention, cp, seq_len=32, batch=1, heads=2, head_dim=8)[0]
+    for split in context.SPLITS:
+        errors = result[split]["errors"]
+        assert max(errors.values()) < TOLERANCE, (split, errors)
+        # Bytes counted by count_traffic against the block count: each block is 1 * 2 * (32/cp) * 8 floats.
+        block = 2 * (32 // cp) * 8 * 4
+        assert result[split]["forward"]["isend"][1] == 2 * (cp - 1) * block
+        assert result[split]["backward"]["isend"][1] == (4 * (cp - 1) + 2) * block
+        # Saved for backward: own Q, K, V, output (4 blocks) and the log-sum-exp (one float per query).
+        assert result[split]["ring_saved_bytes"] == 4 * block + 2 * (32 // cp) * 4
+        # The reference keeps the full 32 x 32 softmax per head: the s^2 term ring attention never holds.
+        assert result[split]["full_saved_bytes"] > 2 * 32 * 32 * 4
+
+
+def test_formulas_match_hand_counts():
+    # b=2, a=4, s=64, d=16, fp32, cp=4: block = 2*4*16*16*4 = 8192 bytes.
+    assert context.ring_bytes_per_rank(2, 4, 64, 16, cp=4) == {"forward": 6 * 8192, "backward": 14 * 8192}
+    saved = context.attention_saved_bytes(2, 4, 64, 16, cp=4)
+    assert saved == {"saved": 4 * 8192 + 2 * 4 * 16 * 4, "score_block": 2 * 4 * 16 * 16 * 4}
+    assert math.isclose(context.attention_saved_bytes(2, 4, 64, 16)["score_block"], 2 * 4 * 64 * 64 * 4)
+
+
+def test_bad_layout_raises_before_work():
+    with pytest.raises(ValueError, match="divisible by 8"):
+        context.validate_context_parallel(20, 4)
+    with pytest.raises(ValueError, match="split must be one of"):
+        context.token_positions(16, 2, 0, split="striped")
