@@ -3,14 +3,13 @@ GPU nodes on this machine). The tests vary only what the scripts document as use
 of ranks per node (CPUs here, not GPUs), the training arguments and the virtual environment."""
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from scalebook.cli import run_local
 from scalebook.cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,29 +29,21 @@ def submit(cluster, tmp_path, script, train_args, **env):
     metrics = tmp_path / "metrics.jsonl"
     settings = {"SCALEBOOK_VENV": VENV, "NPROC_PER_NODE": "2",
                 "TRAIN_ARGS": f"{train_args} --metrics {metrics}", **env}  # fmt: skip
-    result = subprocess.run(
-        ["sbatch", "--parsable", "--wait", str(ROOT / "slurm" / script)],
-        cwd=tmp_path, env={**cluster.env(), **settings}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    job_id = result.stdout.strip().split(";")[0]
+    code, job_id = cluster.submit_and_wait(ROOT / "slurm" / script, env=settings, cwd=tmp_path, timeout=120)
     info = cluster.run("scontrol", "show", "job", job_id).stdout
     log = "".join(p.read_text() for p in tmp_path.glob(f"*-{job_id}.out"))
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    return result.returncode, info, log, records
+    return code, info, log, records
 
 
 def field(info: str, name: str) -> str:
     return re.search(rf"\b{name}=(\S+)", info).group(1)
 
 
-def direct_torchrun(tmp_path, nproc: int) -> list[float]:
-    metrics = tmp_path / "direct.jsonl"
-    subprocess.run(
-        [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc-per-node={nproc}",
-         "-m", "scalebook.train", "--strategy", "torch-ddp", "--no-progress", *ARGS.split(), "--metrics", str(metrics)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
-    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+def direct_torchrun(nproc: int) -> list[float]:
+    run = run_local(["--strategy", "torch-ddp", "--no-progress", *ARGS.split()], nproc=nproc, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [record["loss"] for record in run.records]
 
 
 def test_single_node_job_completes_with_the_losses_of_a_direct_torchrun(cluster, tmp_path):
@@ -62,7 +53,7 @@ def test_single_node_job_completes_with_the_losses_of_a_direct_torchrun(cluster,
     assert field(info, "TresPerNode") == "gres:gpu:4"  # the GPU request went through unchanged
     assert [r["world_size"] for r in records] == [2] * 4
     # Same code, same ranks, same data: the cluster adds nothing to the arithmetic.
-    assert [r["loss"] for r in records] == direct_torchrun(tmp_path, 2)
+    assert [r["loss"] for r in records] == direct_torchrun(2)
 
 
 def test_two_node_job_rendezvouses_across_both_nodes(cluster, tmp_path):
@@ -73,7 +64,7 @@ def test_two_node_job_rendezvouses_across_both_nodes(cluster, tmp_path):
     assert [r["world_size"] for r in records] == [4] * 4
     single = [r["loss"] for r in records]
     # Four ranks sum the gradients in a different order than two: equal to float32 rounding.
-    assert single == pytest.approx(direct_torchrun(tmp_path, 2), rel=1e-6)
+    assert single == pytest.approx(direct_torchrun(2), rel=1e-6)
 
 
 def test_a_failing_job_reports_a_nonzero_exit_through_sbatch_wait(cluster, tmp_path):
