@@ -34,9 +34,9 @@ test: $(STAMP)
 notebooks: $(STAMP)
 	$(BIN)/python -m scalebook.notebook notebooks/*.ipynb
 
-## lab: JupyterLab on the notebooks
+## lab: JupyterLab on the notebooks; NB=notebooks/NN_name.ipynb opens that chapter
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks
+	$(BIN)/jupyter lab $(or $(NB),notebooks)
 
 ## train: one training run on this machine; pass arguments with ARGS="--model small --steps 100"
 train: $(STAMP)

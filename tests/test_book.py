@@ -13,7 +13,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import toc_pages
+from conftest import REPO, toc_pages
 
 # What _config.yml loads from _static (book/_vendor/static): each must be in the built site.
 VENDORED = [
@@ -178,3 +178,20 @@ def test_the_checks_catch_external_loads():
     assert len(parser.found) == 10, parser.found
     assert css_external_urls("a{b:url(https://x.org/f.woff)} @import 'https://x.org/s.css';") == [
         "https://x.org/f.woff", "https://x.org/s.css"]
+
+
+LAUNCH_NOTE = re.compile(r'<p class="launch-note">(.*?)</p>', re.S)
+
+
+def test_every_page_says_how_to_run_it_locally(book_html):
+    """Each page of the toc opens with the launch note; a chapter's names the command for its own notebook."""
+    for page in toc_pages():
+        text = (book_html / page).read_text(encoding="utf8")
+        notes = [re.sub(r"<[^>]+>", "", note) for note in LAUNCH_NOTE.findall(text)]
+        assert len(notes) == 1, f"{page}: {len(notes)} launch notes (want one, under the title)"
+        source = Path(page).with_suffix(".ipynb")
+        command = f"make lab NB={source.as_posix()}" if (REPO / source).is_file() else "make lab opens them"
+        assert command in notes[0], f"{page}: {notes[0]}"
+        # The note comes right after the page title, before any of the page's own text.
+        article = text[text.index('<article class="bd-article">') :]
+        assert re.search(r'</h1>\s*<p class="launch-note">', article[: article.index("<p") + 30]), page

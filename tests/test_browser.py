@@ -3,8 +3,9 @@
 The site is served from 127.0.0.1; every request to any other host is failed and recorded.
 For every page of _toc.yml (and the search page) the test checks: no console error or uncaught
 exception, no request to another host, no local request that failed (404, ...), MathJax typeset
-every formula, every image loaded, every embedded ipywidget rendered. It saves a screenshot of
-the first screen of each page to _build/screenshots/<page>.png.
+every formula, every image loaded, every embedded ipywidget rendered, every figure opaque (so that
+it reads on the dark theme), nothing wider than the window. It saves screenshots of the first
+screen of each page, light and dark, to _build/screenshots/<page>.png and <page>-dark.png.
 
 A second, generated notebook with ipywidgets state checks that the vendored html-manager renders
 the standard controls with nothing fetched from a CDN.
@@ -362,13 +363,30 @@ JS_REPORT = """(async () => {
         .map(el => el.textContent.slice(0, 200)),
     fonts_failed: Array.from(document.fonts).filter(f => f.status === 'error')
         .map(f => f.family),
+    // Figures (images in cell outputs) must be opaque: a transparent one puts black text on the
+    // dark theme's background. The images are same-origin, so a canvas can read their pixels.
+    transparent_figures: Array.from(document.querySelectorAll('.cell_output img'))
+        .filter(img => img.naturalWidth > 0).filter(img => {
+          const c = document.createElement('canvas');
+          c.width = img.naturalWidth; c.height = img.naturalHeight;
+          const ctx = c.getContext('2d');
+          ctx.drawImage(img, 0, 0);
+          const corners = [[0, 0], [c.width - 1, 0], [0, c.height - 1], [c.width - 1, c.height - 1]];
+          return corners.some(([x, y]) => ctx.getImageData(x, y, 1, 1).data[3] < 255);
+        }).map(img => img.currentSrc || img.src),
+    // Nothing may make the whole page scroll sideways (a wide table or figure must scroll in its box).
+    page_width: document.documentElement.scrollWidth,
+    viewport_width: document.documentElement.clientWidth,
     title: document.title,
   };
 })()"""
 
 
-def check_page(browser: Chromium, url: str, screenshot: Path) -> dict:
-    """Load ``url``, wait until it settled, take the screenshot, return what went wrong."""
+def check_page(browser: Chromium, url: str, screenshot: Path, dark_screenshot: Path | None = None) -> dict:
+    """Load ``url``, wait until it settled, take the screenshot(s), return what went wrong.
+
+    ``dark_screenshot``: also switch the page to the theme's dark mode and take a second one.
+    """
     started = time.monotonic()
     browser.open(url)
     math_ok = browser.wait_for(JS_MATH_DONE, PAGE_TIMEOUT_S)
@@ -376,6 +394,11 @@ def check_page(browser: Chromium, url: str, screenshot: Path) -> dict:
     report = browser.evaluate(JS_REPORT)
     browser.wait_network_idle()
     browser.screenshot(screenshot)
+    if dark_screenshot is not None:
+        browser.evaluate("document.documentElement.dataset.theme = 'dark'; true")
+        browser.pump(0.3)
+        browser.screenshot(dark_screenshot)
+        browser.evaluate("document.documentElement.dataset.theme = 'light'; true")
     report.update(
         math_ok=math_ok, widgets_ok=widgets_ok, seconds=round(time.monotonic() - started, 2),
         blocked=list(browser.blocked), errors=list(browser.errors), failed=list(browser.failed))
@@ -404,6 +427,12 @@ def assert_page_ok(page: str, r: dict):
         problems.append(f"ipywidgets not rendered ({r['widget_views']} views): {r['widget_errors']}")
     if r["fonts_failed"]:
         problems.append(f"web fonts that failed to load: {r['fonts_failed']}")
+    if r["transparent_figures"]:
+        problems.append("figures with a transparent background (unreadable in the dark theme):\n    "
+                        + "\n    ".join(r["transparent_figures"]))  # fmt: skip
+    if r["page_width"] > r["viewport_width"]:
+        problems.append(f"the page scrolls sideways: {r['page_width']} px wide in a "
+                        f"{r['viewport_width']} px window")  # fmt: skip
     assert not problems, f"{page}:\n  " + "\n  ".join(problems)
 
 
@@ -414,7 +443,7 @@ def assert_page_ok(page: str, r: dict):
 def test_page_works_offline(page, book_html, site, chromium):
     assert (book_html / page.split("?")[0]).is_file(), f"{page} was not built"
     shot = SCREENSHOTS / f"{screenshot_name(page)}.png"
-    report = check_page(chromium, f"{site}/{page}", shot)
+    report = check_page(chromium, f"{site}/{page}", shot, shot.with_name(f"{shot.stem}-dark.png"))
     print(f"\n[browser] {page}: {report['seconds']} s, {report['mjx']} formulas, "
           f"{len(report['images'])} images, {report['widget_views']} widgets -> {shot}")
     assert_page_ok(page, report)
@@ -496,7 +525,7 @@ def widget_site(tmp_path_factory, build_book):
     shutil.copytree(REPO / "book" / "_ext", src / "book" / "_ext")  # the config's local extensions
     html = build_book(src, tmp_path_factory.mktemp("widget-build"), {
         "bibtex_bibfiles": [str(REPO / "book" / "references.bib")],
-        "sphinx_config": {"html_static_path": [str(REPO / "book" / "_vendor" / "static")]},
+        "sphinx_config": {"html_static_path": [str(REPO / "book" / d) for d in ("_vendor/static", "_static")]},
     })
     server = StaticServer(html)
     yield server.origin
@@ -533,3 +562,29 @@ def test_ipywidgets_render_offline(widget_site, chromium):
     value = chromium.evaluate("document.querySelector('.widget-text input').value")
     assert linked, f"moving the slider 3 -> 4 left the jslinked IntText at {value!r}"
     assert not chromium.errors, f"errors after interacting: {chromium.errors}"
+
+
+def test_harness_catches_transparent_figures_and_sideways_scrolling(tmp_path, chromium):
+    """A figure saved with a transparent background, and a table wider than the window, are reported."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(2, 1))
+    ax.plot([0, 1], [0, 1])
+    fig.savefig(tmp_path / "clear.png", transparent=True)
+    fig.savefig(tmp_path / "opaque.png", facecolor="white")
+    plt.close(fig)
+    (tmp_path / "index.html").write_text("""<!doctype html><html><body>
+        <div class="cell_output"><img src="clear.png"><img src="opaque.png"></div>
+        <table style="width: 3000px"><tr><td>wide</td></tr></table></body></html>""", encoding="utf8")
+    server = StaticServer(tmp_path)
+    try:
+        report = check_page(chromium, f"{server.origin}/index.html", tmp_path / "shot.png")
+    finally:
+        server.stop()
+    assert [Path(urlsplit(src).path).name for src in report["transparent_figures"]] == ["clear.png"]
+    with pytest.raises(AssertionError, match="transparent background") as caught:
+        assert_page_ok("index.html", report)
+    assert "scrolls sideways" in str(caught.value)

@@ -38,3 +38,21 @@ def test_execute_notebook_runs_and_saves_outputs(tmp_path):
     seconds = notebook.execute_notebook(path)
     assert seconds > 0
     assert nbformat.read(path, as_version=4).cells[0].outputs[0]["text"] == "42\n"
+
+
+def test_setup_applies_the_one_style_file():
+    import matplotlib
+    import torch
+
+    from scalebook import plots
+
+    matplotlib.rcdefaults()
+    threads = torch.get_num_threads()
+    notebook.setup()
+    torch.set_num_threads(threads)
+    style = matplotlib.rc_params_from_file(plots.STYLE, use_default_template=False)
+    assert len(style) > 20
+    assert {key: matplotlib.rcParams[key] for key in style} == dict(style)
+    # Opaque white, so that figures read on dark pages (a transparent figure would not).
+    assert matplotlib.colors.to_rgba(matplotlib.rcParams["savefig.facecolor"]) == (1.0, 1.0, 1.0, 1.0)
+    matplotlib.rcdefaults()

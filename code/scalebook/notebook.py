@@ -26,26 +26,15 @@ def setup(seed: int = 0, threads: int = 2) -> None:
     torch.set_num_threads(max(1, min(threads, os.cpu_count() or 1)))
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    import matplotlib
-
     if _in_kernel():
         # Figures must appear as cell outputs even when MPLBACKEND (e.g. Agg) is set in the environment;
         # the magic, unlike matplotlib.use, also installs the hook that displays figures after each cell.
         from IPython import get_ipython
 
         get_ipython().run_line_magic("matplotlib", "inline")
-    matplotlib.rcParams.update(
-        {
-            "figure.dpi": 110,
-            "savefig.dpi": 110,
-            "figure.figsize": (7.0, 3.6),
-            "axes.grid": True,
-            "grid.alpha": 0.3,
-            "axes.spines.top": False,
-            "axes.spines.right": False,
-            "font.size": 10,
-        }
-    )
+    from scalebook.plots import use_style
+
+    use_style()
 
 
 def _in_kernel() -> bool:

@@ -1,10 +1,23 @@
-"""The book's figures. Each function draws on a fresh figure (or a given axis) and returns the figure."""
+"""The book's figures. Each function draws on a fresh figure (or a given axis) and returns the figure.
+
+All of them, and every figure a chapter draws itself, use one style: ``scalebook.mplstyle`` next to this
+file (sizes, fonts, an opaque white background that reads on light and dark pages, grid, colours).
+:func:`scalebook.notebook.setup` applies it; call :func:`use_style` to get it in your own scripts.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import matplotlib.pyplot as plt
+
+STYLE = Path(__file__).with_name("scalebook.mplstyle")
+
+
+def use_style() -> None:
+    """Apply the book's matplotlib style (``STYLE``) to every figure drawn from now on."""
+    plt.style.use(STYLE)
 
 
 def loss_curve(losses: Sequence[float], *, smooth: int = 10, title: str = "Training loss", ax=None):
