@@ -372,7 +372,9 @@ JS_REPORT = """(async () => {
           const ctx = c.getContext('2d');
           ctx.drawImage(img, 0, 0);
           const corners = [[0, 0], [c.width - 1, 0], [0, c.height - 1], [c.width - 1, c.height - 1]];
-          return corners.some(([x, y]) => ctx.getImageData(x, y, 1, 1).data[3] < 255);
+          // Pages opened from file:// taint the canvas (no pixels to read): checked when served over HTTP.
+          try { return corners.some(([x, y]) => ctx.getImageData(x, y, 1, 1).data[3] < 255); }
+          catch (error) { if (error.name === 'SecurityError') return false; throw error; }
         }).map(img => img.currentSrc || img.src),
     // Nothing may make the whole page scroll sideways (a wide table or figure must scroll in its box).
     page_width: document.documentElement.scrollWidth,

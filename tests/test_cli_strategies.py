@@ -1,6 +1,7 @@
-"""The book's own strategies in `python -m scalebook.train`: Chapter 10's DDP, Chapter 11's ZeRO stages and
-Chapter 12's tensor parallelism train to the single-process losses, resume bit-identically from their
-checkpoints, consolidate into the single-process model, and bad layouts fail before any rank starts."""
+"""The book's own strategies in `python -m scalebook.train`: Chapter 10's DDP, Chapter 11's ZeRO stages,
+Chapter 12's tensor parallelism, Chapter 13's pipeline and Chapter 14's DP x TP x PP train to the
+single-process losses, resume bit-identically from their checkpoints, consolidate into the single-process
+model, and bad layouts fail before any rank starts."""
 
 import functools
 
@@ -11,11 +12,20 @@ from scalebook import checkpoint
 from scalebook.cli import LocalRun, build_parser, main, run_local, validate
 
 # One micro-batch of one sequence: the single process accumulates 4 micro-batches per step, each of two
-# ranks 2, so gradient accumulation (and no_sync, and ZeRO-2/3's sum of reduce-scattered shards) is used.
-# The gradient norm is 2 to 9 in these steps (measured), so the clipping at 1.0 acts on every step.
+# ranks 2, so gradient accumulation (and no_sync, and ZeRO-2/3's sum of reduce-scattered shards) is used;
+# the pipelines run 1F1B over the 4 micro-batches. The gradient norm is 2 to 9 in these steps (measured),
+# so the clipping at 1.0 acts on every step.
 SMALL = ["--steps", "6", "--micro-batch", "1", "--global-batch", "4", "--seq-len", "32", "--no-progress"]
-LAYOUT = {"ddp": ["--bucket-cap-mb", "0.5"], "tp": ["--tp", "2"]}  # 0.5 MiB: 7 buckets of the tiny GPT's 3 MiB
-STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "tp"]
+LAYOUT = {
+    "ddp": ["--bucket-cap-mb", "0.5"],  # 0.5 MiB: 7 buckets of the tiny GPT's 3 MiB
+    "tp": ["--tp", "2"],
+    "pp": ["--pp", "2"],  # 2 layers per stage
+    # Each stage tensor-parallel: replicated parameters and the tied embedding's two copies (first and last
+    # stage) must each count once in the gradient norm. Data parallelism on top: see test_3d_with_replicas...
+    "3d": ["--dp", "1", "--tp", "2", "--pp", "2"],
+}
+NPROC = {"3d": 4}  # the others run on 2 ranks
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d"]
 
 
 def train(*args: str, nproc: int = 1, check: bool = True) -> LocalRun:
@@ -31,8 +41,8 @@ def strategy_args(strategy: str) -> list[str]:
 
 @functools.cache
 def uninterrupted(strategy: str) -> dict[int, float]:
-    """The losses of a 2-rank run of ``strategy`` from start to end (run once, shared by the tests)."""
-    return train(*strategy_args(strategy), nproc=2).losses
+    """The losses of a 2-rank (3d: 4-rank) run of ``strategy`` from start to end (run once, shared by the tests)."""
+    return train(*strategy_args(strategy), nproc=NPROC.get(strategy, 2)).losses
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +66,24 @@ def test_strategy_reaches_the_single_process_losses(strategy, single):
     assert losses[6] < losses[1] - 0.5  # it learns (and is not a constant that matches by chance)
 
 
+def test_3d_with_replicas_reaches_the_single_process_losses(single):
+    # DP2 x PP2: each replica pipelines its half of the batch; gradients and losses average over replicas.
+    reference, _ = single
+    losses = train(*SMALL, "--strategy", "3d", "--dp", "2", "--tp", "1", "--pp", "2", nproc=4).losses
+    assert sorted(losses) == list(range(1, 7))
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-6)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategy_resumes_bit_identically_and_consolidates(strategy, single, tmp_path):
-    args = strategy_args(strategy)
+    args, nproc = strategy_args(strategy), NPROC.get(strategy, 2)
     ckpt = tmp_path / "ckpt"
     crashed = train(*args, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--simulate-failure-at", "5",
-                    nproc=2, check=False)  # fmt: skip
+                    nproc=nproc, check=False)  # fmt: skip
     assert crashed.returncode != 0 and "simulated failure before step 5" in crashed.stderr
     assert checkpoint.latest_step(ckpt) == 4
-    resumed = train(*args, "--checkpoint-dir", str(ckpt), "--resume", nproc=2).losses
+    resumed = train(*args, "--checkpoint-dir", str(ckpt), "--resume", nproc=nproc).losses
     assert sorted(resumed) == [5, 6]  # it continued from step 4
     # Bit-identical: the resumed steps are those of a run that never stopped, and the final checkpoint
     # carries the losses that the crashed run logged before it saved.
@@ -77,7 +96,7 @@ def test_strategy_resumes_bit_identically_and_consolidates(strategy, single, tmp
     from scalebook.model import GPT, GPTConfig
 
     state, meta = checkpoint.consolidate(ckpt)
-    assert meta == {"model_size": "tiny", "step": 6, "world_size": 2}
+    assert meta == {"model_size": "tiny", "step": 6, "world_size": nproc}
     GPT(GPTConfig.named("tiny")).load_state_dict(state)  # strict: every key, every shape
     _, reference = single
     for name, tensor in reference.items():
@@ -108,8 +127,38 @@ def test_bad_layouts_of_the_new_strategies_fail_with_one_message_before_any_work
                                                                              world_size=2)  # fmt: skip
 
 
+def test_bad_pipeline_layouts_fail_with_one_message_before_any_work(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--strategy", "3d", "--tp", "3", "--pp", "8", "--cp", "2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--strategy 3d has no CP dimension; leave --cp at 1" in err
+    assert "--strategy 3d --tp 3: invalid tensor-parallel layout: n_head (4) must be divisible by tp (3)" in err
+    assert "--strategy 3d --pp 8: the 4 layers of --model tiny must split evenly over the stages; choose --pp " \
+           "from [1, 2, 4]" in err  # fmt: skip
+    assert "dp x tp x pp x cp = 1 x 3 x 8 x 2 must equal the 1 ranks started" in err
+    message = problems("--strategy", "pp", "--pp", "2", world_size=4)
+    assert "--strategy pp runs one pipeline over all ranks and has no data-parallel dimension: set --pp to the 4 " \
+           "ranks started (got --pp 2, dp 2), or add data parallelism with --strategy 3d --dp 2 --pp 2" \
+           in message  # fmt: skip
+    assert "micro-batches" not in message  # counted for a consistent layout only
+    assert "--strategy pp needs --pp >= 2 stages" in problems("--strategy", "pp", world_size=2)
+    assert "--strategy pp has no TP dimension; leave --tp at 1" in problems("--strategy", "pp", "--pp", "2", "--tp",
+                                                                            "2", world_size=4)  # fmt: skip
+    assert "choose --pp from [2, 4]" in problems("--strategy", "pp", "--pp", "3", "--global-batch", "12", world_size=3)
+    message = problems("--strategy", "3d", "--dp", "2", "--pp", "2", "--global-batch", "8", world_size=4)
+    assert message.count("\n") == 1 and "--strategy 3d --pp 2: the 1F1B schedule needs at least as many " \
+        "micro-batches per step as stages, got --global-batch / (--micro-batch x dp) = 8 / (4 x 2) = 1; raise " \
+        "--global-batch to 16 or lower --micro-batch" in message  # fmt: skip
+
+
 def test_valid_layouts_of_the_new_strategies_pass():
     layout = validate(build_parser().parse_args(["--strategy", "tp", "--tp", "2", "--global-batch", "8"]), 2)
     assert (layout.dp, layout.grad_accum) == (1, 2)  # tp: both ranks share each micro-batch of 4
     layout = validate(build_parser().parse_args(["--strategy", "zero3", "--global-batch", "16"]), 2)
     assert (layout.dp, layout.grad_accum) == (2, 2)
+    layout = validate(build_parser().parse_args(["--strategy", "pp", "--pp", "4", "--global-batch", "16"]), 4)
+    assert (layout.dp, layout.grad_accum) == (1, 4)  # 4 micro-batches of 4 through 4 stages
+    argv = ["--strategy", "3d", "--tp", "2", "--pp", "2", "--micro-batch", "1", "--global-batch", "4"]
+    layout = validate(build_parser().parse_args(argv), 8)
+    assert (layout.dp, layout.grad_accum) == (2, 2)  # dp = the ranks left; each replica pipelines 2 micro-batches

@@ -86,3 +86,16 @@ def test_readme_memory_table_matches_accounting():
             for stage, dp in ((0, 4), (3, 4), (3, 8))
         ]
         assert f"| {name} | " + " | ".join(cells) + " |" in readme
+
+
+def test_a_two_node_3d_job_keeps_tensor_parallelism_inside_a_node(cluster, tmp_path):
+    # The layout real clusters use: TP over the ranks of one node, the pipeline across the two nodes.
+    code, info, log, records = submit(cluster, tmp_path, "train_multi_node.sbatch", f"{ARGS} --tp 2 --pp 2",
+                                      STRATEGY="3d")  # fmt: skip
+    assert code == 0, log
+    assert field(info, "JobState") == "COMPLETED" and field(info, "NodeList") == "n[1-2]"
+    assert [r["world_size"] for r in records] == [4] * 4
+    single = run_local(["--strategy", "single", "--no-progress", *ARGS.split()], timeout=120)
+    assert single.returncode == 0, single.stderr[-3000:]
+    # Tensor-parallel partial sums and the pipeline's micro-batch order: equal to float32 rounding.
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in single.records], rel=1e-6)

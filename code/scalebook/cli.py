@@ -19,10 +19,22 @@ Strategies. PyTorch's own: ``single`` (one process), ``torch-ddp`` (``Distribute
   shards (one all-reduce of the squared norms). Each rank checkpoints its own master and moment shards.
 * ``tp``: Chapter 12's :class:`scalebook.parallel.tensor.TensorParallelGPT` over all ranks (``--tp`` = the
   number of ranks; no data-parallel dimension), AdamW on each rank's shards, clipping over the shards.
+* ``pp``: Chapter 13's pipeline over all ranks (``--pp`` = the number of ranks, at least 2; no
+  data-parallel dimension): rank r holds stage r, a :class:`scalebook.parallel.pipeline.GPTStage`, and
+  :func:`scalebook.parallel.pipeline.run_schedule` runs the 1F1B schedule whose micro-batches are the
+  step's ``--global-batch / --micro-batch`` micro-batches (at least ``--pp`` of them). The first and the
+  last stage sum the gradients of their copies of the tied embedding.
+* ``3d``: DP x TP x PP with ``--dp x --tp x --pp`` = the number of ranks, on the mesh of
+  :mod:`scalebook.parallel.mesh` (tensor parallelism innermost): each pipeline stage is a
+  :class:`scalebook.parallel.mesh.TensorParallelStage`, the mesh-addressed 1F1B runtime of
+  :func:`scalebook.parallel.mesh.train_3d` runs each replica's micro-batches, and the gradients are
+  averaged over the data-parallel group. Clipping counts every gradient once: the shards of one replica,
+  its replicated parameters on one tensor-parallel rank, the tied embedding on the first stage.
 
 Every strategy is the same computation as ``single`` up to float32 rounding, so the logged losses agree
-to about 1e-6 relative. Checkpoints of ``zero*`` and ``tp`` also carry, in rank 0's file, the full model
-gathered from the shards, so :func:`scalebook.checkpoint.consolidate` reads them like a replicated one.
+to about 1e-6 relative. Checkpoints of ``zero*``, ``tp``, ``pp`` and ``3d`` also carry, in rank 0's file,
+the full model gathered from the shards and stages, so :func:`scalebook.checkpoint.consolidate` reads
+them like a replicated one.
 
 Rank 0 prints one JSON object per logged step to stdout (``step``, ``loss``, ``lr``, ``world_size``, ``tokens_per_s``,
 ``step_time``, ``state_bytes``, and ``mfu`` when ``--peak-flops`` is given) and appends the same lines to
@@ -42,15 +54,18 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-STRATEGIES = ("single", "torch-ddp", "fsdp", "ddp", "zero1", "zero2", "zero3", "tp")
+STRATEGIES = ("single", "torch-ddp", "fsdp", "ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d")
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
-MODEL_PARALLEL = {"tp": ("tp",)}  # the model-parallel dimensions each strategy has (none for the others)
-PER_RANK_FILES = ("fsdp", "zero1", "zero2", "zero3", "tp")  # strategies whose ranks hold distinct state
+PIPELINED = ("pp", "3d")  # strategies that run Chapter 13's 1F1B schedule
+# The model-parallel dimensions each strategy has (none for the others).
+MODEL_PARALLEL = {"tp": ("tp",), "pp": ("pp",), "3d": ("tp", "pp")}
+PER_RANK_FILES = ("fsdp", "zero1", "zero2", "zero3", "tp", "pp", "3d")  # strategies whose ranks hold distinct state
 SIZES = ("tiny", "small", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
@@ -67,19 +82,37 @@ def build_parser() -> argparse.ArgumentParser:
         choices=STRATEGIES,
         default="single",
         help="how the work is split across ranks: PyTorch's single / torch-ddp / fsdp, or the book's ddp "
-        "(Ch. 10), zero1 / zero2 / zero3 (Ch. 11), tp (Ch. 12, with --tp = the number of ranks)",
+        "(Ch. 10), zero1 / zero2 / zero3 (Ch. 11), tp (Ch. 12, with --tp = the number of ranks), pp (Ch. 13, "
+        "with --pp = the number of ranks), 3d (Ch. 14, --dp x --tp x --pp = the number of ranks)",
     )
     g.add_argument(
-        "--dp", type=int, default=None, help="data-parallel degree (default: the ranks left after tp x pp x cp)"
+        "--dp",
+        type=int,
+        default=None,
+        help="data-parallel degree, the number of model replicas (default: the ranks left after tp x pp x cp; "
+        "1 for --strategy tp and pp)",
     )
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (only --strategy tp; all ranks)")
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: all ranks for --strategy tp, the TP dimension of --strategy 3d "
+        "(must divide the heads, the width and the vocabulary)",
+    )
     g.add_argument(
         "--bucket-cap-mb",
         type=float,
         default=None,
         help="gradient bucket size in MiB for ddp and torch-ddp; None means PyTorch's 25",
     )
-    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    g.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline-parallel degree, the number of stages (1F1B schedule): all ranks for --strategy pp (>= 2), "
+        "the PP dimension of --strategy 3d; the layers must split evenly over the stages, and each step's "
+        "micro-batches, global-batch / (micro-batch x dp), must be at least --pp",
+    )
     g.add_argument("--cp", type=int, default=1, help="context-parallel degree")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", choices=SIZES, default="tiny", help="model size (GPTConfig.named)")
@@ -91,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--global-batch",
         type=int,
         default=8,
-        help="sequences per optimizer step over all ranks = micro-batch x dp x accumulation steps",
+        help="sequences per optimizer step over all ranks = micro-batch x dp x accumulation steps (under pp "
+        "and 3d the accumulation steps are the pipeline's micro-batches)",
     )
     g.add_argument("--steps", type=int, default=20, help="optimizer steps")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -132,6 +166,8 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
     for name in ("tp", "pp", "cp", "seq_len", "micro_batch", "global_batch", "steps", "checkpoint_every", "log_every"):
         if getattr(args, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.dp is not None and args.dp < 1:
+        problems.append(f"--dp must be >= 1, got {args.dp}")
     if args.warmup_steps < 0:
         problems.append(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if not 0 < args.min_lr <= args.lr:
@@ -156,7 +192,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
         problems.append(f"dp x tp x pp x cp = {dp} x {args.tp} x {args.pp} x {args.cp} must equal the "
                         f"{world_size} ranks started")  # fmt: skip
     per_step = args.micro_batch * max(dp, 1)
-    if args.global_batch % per_step:
+    if per_step >= 1 and args.global_batch % per_step:  # (--micro-batch < 1 is reported above)
         problems.append(
             f"--global-batch ({args.global_batch}) must be a multiple of --micro-batch x dp "
             f"= {per_step}; e.g. --global-batch {max(per_step, args.global_batch // per_step * per_step)}"
@@ -164,21 +200,44 @@ def validate(args: argparse.Namespace, world_size: int) -> Layout:
     if args.strategy == "tp" and dp != 1:
         problems.append(f"--strategy tp splits every layer over all ranks and has no data-parallel dimension: "
                         f"set --tp to the {world_size} ranks started (got --tp {args.tp}, dp {dp})")  # fmt: skip
+    if args.strategy == "pp" and args.pp == 1:
+        problems.append("--strategy pp needs --pp >= 2 stages (the first and the last each hold a copy of the tied "
+                        "embedding); on one process use --strategy single")  # fmt: skip
+    elif args.strategy == "pp" and dp != 1:
+        problems.append(f"--strategy pp runs one pipeline over all ranks and has no data-parallel dimension: set "
+                        f"--pp to the {world_size} ranks started (got --pp {args.pp}, dp {dp}), or add data "
+                        f"parallelism with --strategy 3d --dp {dp} --pp {args.pp}")  # fmt: skip
     if args.strategy in ZERO_STAGES and torch.cuda.is_available():
         problems.append(f"--strategy {args.strategy}: the ZeRO engines of Chapter 11 keep their flat shards in CPU "
                         "memory; on GPUs use --strategy fsdp")  # fmt: skip
     from scalebook.model import GPTConfig
 
-    if args.strategy == "tp" and args.tp >= 1:
+    config = GPTConfig.named(args.model)
+    if args.strategy in ("tp", "3d") and args.tp >= 1:
         from scalebook.parallel.tensor import validate_tensor_parallel
 
         try:
-            validate_tensor_parallel(GPTConfig.named(args.model), args.tp)
+            validate_tensor_parallel(config, args.tp)
         except ValueError as error:
-            problems.append(f"--strategy tp --tp {args.tp}: {error}")
-    if args.seq_len > GPTConfig.named(args.model).block_size:
-        problems.append(f"--seq-len {args.seq_len} exceeds {args.model}'s context of "
-                        f"{GPTConfig.named(args.model).block_size} tokens")  # fmt: skip
+            problems.append(f"--strategy {args.strategy} --tp {args.tp}: {error}")
+    if args.strategy in PIPELINED and args.pp >= 1:
+        if config.n_layer % args.pp:
+            fits = [n for n in range(2 if args.strategy == "pp" else 1, config.n_layer + 1) if config.n_layer % n == 0]
+            problems.append(f"--strategy {args.strategy} --pp {args.pp}: the {config.n_layer} layers of --model "
+                            f"{args.model} must split evenly over the stages; choose --pp from {fits}")  # fmt: skip
+        # Counted for a consistent layout only: with the wrong dp the count would mislead.
+        consistent = dp * args.tp * args.pp * args.cp == world_size and (args.strategy != "pp" or dp == 1)
+        microbatches = args.global_batch // per_step if per_step >= 1 and args.global_batch % per_step == 0 else 0
+        if consistent and 1 <= microbatches < args.pp:
+            problems.append(
+                f"--strategy {args.strategy} --pp {args.pp}: the 1F1B schedule needs at least as many micro-batches "
+                f"per step as stages, got --global-batch / (--micro-batch x dp) = {args.global_batch} / "
+                f"({args.micro_batch} x {dp}) = {microbatches}; raise --global-batch to {args.pp * per_step} or "
+                "lower --micro-batch"
+            )
+    if args.seq_len > config.block_size:
+        problems.append(f"--seq-len {args.seq_len} exceeds {args.model}'s context of {config.block_size} "
+                        "tokens")  # fmt: skip
     if problems:
         raise ValueError("invalid arguments:\n  " + "\n  ".join(problems))
     return Layout(args.strategy, world_size, dp, args.global_batch // per_step)
@@ -206,22 +265,119 @@ def _wrap(model: torch.nn.Module, strategy: str, device: torch.device, bucket_ca
 
 
 def _clip_grad_norm_over_shards(
-    sharded: list[torch.Tensor], replicated: list[torch.Tensor], max_norm: float
+    sharded: list[torch.Tensor], replicated: list[torch.Tensor], max_norm: float, *, copies: Sequence[torch.Tensor] = ()
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` when each rank holds a different part of the gradients.
 
     The global L2 norm needs every rank's shards: their squared norms are summed over the ranks (one
     all-reduce of one number); gradients that every rank holds identically (``replicated``) count once.
+    ``copies`` are gradients that another rank counts among its ``sharded`` (a replica's, a tied copy's):
+    scaled, not counted. A rank may count nothing.
     """
-    squares = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in sharded]).sum()
+    squares = torch.zeros((), device=next(g.device for g in [*sharded, *replicated, *copies]))
+    if sharded:
+        squares = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in sharded]).sum()
     dist.all_reduce(squares)
     if replicated:
         squares = squares + torch.stack([torch.linalg.vector_norm(g) ** 2 for g in replicated]).sum()
     total = squares.sqrt()
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula, epsilon included
-    for g in [*sharded, *replicated]:
+    for g in [*sharded, *replicated, *copies]:
         g.mul_(coefficient)
     return total
+
+
+class _Pipeline:
+    """``pp`` and ``3d``: this rank's pipeline stage on a DP x TP x PP mesh, the 1F1B step, the gradient
+    synchronisation, clipping and the gathering of the full model.
+
+    ``pp`` is one pipeline of Chapter 13's :class:`~scalebook.parallel.pipeline.GPTStage` run by
+    :func:`~scalebook.parallel.pipeline.run_schedule` (rank r = stage r); ``3d`` cuts a
+    :class:`~scalebook.parallel.tensor.TensorParallelGPT` into
+    :class:`~scalebook.parallel.mesh.TensorParallelStage` and runs the mesh-addressed 1F1B of
+    :mod:`scalebook.parallel.mesh`. Either way the stage's parameters carry the GPT's names.
+    """
+
+    def __init__(self, gpt: torch.nn.Module, strategy: str, layout: Layout, tp: int, pp: int, device):
+        from scalebook.parallel import mesh
+        from scalebook.parallel.pipeline import GPTStage, build_schedule, stage_layers
+
+        self.mesh = mesh.DeviceMesh.build(mesh.ParallelDims(layout.world_size, dp=layout.dp, tp=tp, pp=pp))
+        self.tied_group = mesh.tied_embedding_group(self.mesh)  # the first and the last stage
+        self.strategy, self.dp, self.pp, self.microbatches = strategy, layout.dp, pp, layout.grad_accum
+        self.coords, self.device = self.mesh.coords, device
+        index = self.coords["pp"]
+        self.first, self.last = index == 0, index == pp - 1
+        layers = stage_layers(gpt.config.n_layer, pp)[index]
+        if strategy == "3d":
+            from scalebook.parallel.tensor import TensorParallelGPT
+
+            tp_model = TensorParallelGPT.from_gpt(gpt, self.mesh.group("tp")).to(device)
+            self.stage = mesh.TensorParallelStage(tp_model, layers, first=self.first, last=self.last)
+            self.head = "head.weight"
+        else:
+            self.stage = GPTStage(gpt, layers, first=self.first, last=self.last).to(device)
+            self.schedule = build_schedule("1f1b", pp, self.microbatches)
+            self.head = "lm_head.weight"
+        # The tied embedding's two copies: the embedding on the first stage, the head on the last (one
+        # matrix when a stage is both); the stages between hold neither.
+        named = dict(self.stage.named_parameters())
+        self.tied = named["wte.weight"] if self.first else named.get(self.head)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, precision: str) -> torch.Tensor:
+        """The step's micro-batches through the pipeline, gradients summed over the tied copies and averaged
+        over the replicas; returns the loss of the global batch (on every rank)."""
+        from scalebook.train import autocast_context
+
+        with autocast_context(precision, self.device.type):
+            if self.strategy == "3d":
+                from scalebook.parallel.mesh import _run_pipeline_step
+
+                loss = _run_pipeline_step(self.mesh, self.stage, x, y, self.microbatches)
+            else:
+                from scalebook.parallel.pipeline import run_schedule
+
+                loss = run_schedule(self.schedule, {self.coords["pp"]: self.stage}, x, y).loss
+        if self.pp > 1 and (self.first or self.last):
+            dist.all_reduce(self.tied.grad, group=self.tied_group)
+        if self.dp > 1:
+            for p in self.stage.parameters():
+                dist.all_reduce(p.grad, group=self.mesh.group("dp"))
+                p.grad /= self.dp
+        # The last stage of each replica has its loss (every tensor-parallel rank of it the same one).
+        mine = loss if self.last and self.coords["tp"] == 0 else 0.0
+        total = torch.tensor(mine, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return total / self.dp
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Global-norm clipping with every gradient counted once: the first replica's, replicated parameters
+        on its tensor-parallel rank 0, the tied embedding on the first stage (one all-reduce over all ranks)."""
+        from scalebook.parallel.tensor import sharding_of
+
+        counted, copies = [], []
+        for name, p in self.stage.named_parameters():
+            copy = (
+                self.coords["dp"] > 0
+                or (name == self.head and not self.first)
+                or (self.coords["tp"] > 0 and sharding_of(name) is None)
+            )
+            (copies if copy else counted).append(p.grad)
+        return _clip_grad_norm_over_shards(counted, [], max_norm, copies=copies)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """On rank 0 every parameter of the unsharded GPT, by its names, gathered from the stages (and their
+        tensor-parallel shards); ``{}`` on the other ranks. A collective: every rank calls it."""
+        if self.strategy == "3d":
+            mine = self.stage.full_state_dict()  # all-gathers over the tensor-parallel group
+        else:
+            mine = {name: p.detach() for name, p in self.stage.named_parameters() if name != self.head}
+        if self.coords["dp"] or self.coords["tp"]:
+            return {}
+        # The pipeline of rank 0 (replica 0, tensor-parallel rank 0): its stages send their parts to rank 0.
+        parts = [None] * self.pp if self.mesh.rank == 0 else None
+        dist.gather_object({name: t.cpu() for name, t in mine.items()}, parts, dst=0, group=self.mesh.group("pp"))
+        return {name: t for part in parts for name, t in part.items()} if self.mesh.rank == 0 else {}
 
 
 class _ZeroAdamW:
@@ -376,19 +532,21 @@ def run(args: argparse.Namespace) -> list[float]:
         init_from_env()
     _, device = backend_and_device(env.local_rank)
     rank = env.rank
-    # Every rank is a data-parallel rank, except under tp, where all ranks share one batch.
-    dp_rank = 0 if args.strategy == "tp" else env.rank
-    zero, tp = args.strategy in ZERO_STAGES, args.strategy == "tp"
+    zero, tp, pipelined = args.strategy in ZERO_STAGES, args.strategy == "tp", args.strategy in PIPELINED
     torch.manual_seed(args.seed)
     config = GPTConfig.named(args.model)
     gpt = GPT(config).to(device)
     cfg = TrainConfig(steps=args.steps, batch_size=args.micro_batch, grad_accum=layout.grad_accum,
                       seq_len=args.seq_len, lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps,
                       precision=args.precision, seed=args.seed, progress=False)  # fmt: skip
+    pipeline = None
     if zero:
         model, optimizer = gpt, _ZeroAdamW(gpt, ZERO_STAGES[args.strategy], cfg)
     else:
-        if tp:
+        if pipelined:
+            pipeline = _Pipeline(gpt, args.strategy, layout, args.tp, args.pp, device)
+            model = pipeline.stage
+        elif tp:
             from scalebook.parallel.tensor import TensorParallelGPT, sharding_of
 
             model = TensorParallelGPT.from_gpt(gpt).to(device)
@@ -396,6 +554,9 @@ def run(args: argparse.Namespace) -> list[float]:
         else:
             model = _wrap(gpt, args.strategy, device, args.bucket_cap_mb)
         optimizer = make_optimizer(model, cfg)
+    # Every rank is a data-parallel rank, except under tp and pp, where all ranks share one batch, and 3d,
+    # where the ranks of one replica (its tp x pp ranks) share its slice.
+    dp_rank = pipeline.coords["dp"] if pipeline else 0 if tp else env.rank
     unwrapped = model.module if args.strategy == "ddp" else model  # what ddp checkpoints: GPT's own names
     data_parallel_wrapper = args.strategy in ("torch-ddp", "ddp")  # the two with no_sync()
     tokens = data.tokenize(data.load_text(args.data))
@@ -408,7 +569,7 @@ def run(args: argparse.Namespace) -> list[float]:
         state = checkpoint.load_shard(args.checkpoint_dir, start, rank if sharded else 0)
         if zero:
             optimizer.load_state_dict(state["zero"])
-        elif tp:
+        elif tp or pipeline:
             _load_local(model, optimizer, {"model": state["local_model"], "optimizer": state["optimizer"]})
         else:
             _load_local(unwrapped, optimizer, state)
@@ -437,22 +598,27 @@ def run(args: argparse.Namespace) -> list[float]:
             optimizer.zero_grad(set_to_none=True)
             x, y = data.get_batch(tokens, per_rank, args.seq_len, generator, rank=dp_rank, world_size=layout.dp)
             x, y = x.to(device), y.to(device)
-            step_loss = torch.zeros((), device=device)
-            for i, (xm, ym) in enumerate(zip(x.chunk(layout.grad_accum), y.chunk(layout.grad_accum))):
-                last = i == layout.grad_accum - 1
-                # DDP communicates on the last micro-batch only; the others accumulate locally.
-                sync = model.no_sync() if data_parallel_wrapper and not last else contextlib.nullcontext()
-                with sync, autocast_context(args.precision, device.type):
-                    _, loss = model(xm, ym)
-                    (loss / layout.grad_accum).backward()
-                if zero:
-                    optimizer.micro_batch_done()
-                step_loss += loss.detach() / layout.grad_accum
+            if pipeline:  # the step's micro-batches are the pipeline's; the loss is the global batch's
+                step_loss = pipeline.forward_backward(x, y, args.precision)
+            else:
+                step_loss = torch.zeros((), device=device)
+                for i, (xm, ym) in enumerate(zip(x.chunk(layout.grad_accum), y.chunk(layout.grad_accum))):
+                    last = i == layout.grad_accum - 1
+                    # DDP communicates on the last micro-batch only; the others accumulate locally.
+                    sync = model.no_sync() if data_parallel_wrapper and not last else contextlib.nullcontext()
+                    with sync, autocast_context(args.precision, device.type):
+                        _, loss = model(xm, ym)
+                        (loss / layout.grad_accum).backward()
+                    if zero:
+                        optimizer.micro_batch_done()
+                    step_loss += loss.detach() / layout.grad_accum
             if args.strategy == "ddp":
                 model.sync_gradients()  # wait for the bucket all-reduces that backward started
             if zero:
                 optimizer.reduce_gradients()
                 optimizer.clip_grad_norm_(1.0)
+            elif pipeline:
+                pipeline.clip_grad_norm_(1.0)
             elif tp:
                 named = list(model.named_parameters())
                 _clip_grad_norm_over_shards([p.grad for n, p in named if n in split],
@@ -460,7 +626,8 @@ def run(args: argparse.Namespace) -> list[float]:
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
-            if distributed and layout.dp > 1:  # under tp every rank already has the loss of the whole batch
+            # Under tp every rank already has the loss of the whole batch, under pp and 3d too (averaged above).
+            if distributed and layout.dp > 1 and not pipeline:
                 dist.all_reduce(step_loss)
                 step_loss /= layout.dp
             losses.append(step_loss.item())
@@ -485,10 +652,13 @@ def run(args: argparse.Namespace) -> list[float]:
                 progress.update()
                 progress.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
             if args.checkpoint_dir and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-                if zero or tp:
-                    # Rank 0's file also holds the full model, gathered from the shards (a collective), so
-                    # that consolidate() reads it like a replicated checkpoint.
-                    full = optimizer.engine.full_parameters() if zero else model.full_state_dict()
+                if zero or tp or pipeline:
+                    # Rank 0's file also holds the full model, gathered from the shards and stages (a
+                    # collective), so that consolidate() reads it like a replicated checkpoint.
+                    if zero:
+                        full = optimizer.engine.full_parameters()
+                    else:
+                        full = pipeline.full_parameters() if pipeline else model.full_state_dict()
                     state = {"model": _gpt_state_dict(gpt, full) if rank == 0 else {}, "sharded": [],
                              "world_size": env.world_size, "model_size": args.model,
                              "generator": generator.get_state(), "losses": torch.tensor(losses, dtype=torch.float64),

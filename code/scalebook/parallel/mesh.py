@@ -16,6 +16,7 @@ inside each pipeline stage, the action lists of :func:`scalebook.parallel.pipeli
 gradient all-reduce over the data-parallel group. The pipeline runtime of Chapter 13 addresses ranks by
 their global number in a world of ``pp`` ranks, so this module carries a small adapter runtime that maps
 stages to ranks through the mesh instead.
+``python -m scalebook.train --strategy 3d`` (:mod:`scalebook.cli`) trains with the same pieces.
 
 Source: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", Sec. 3 (PTD-P); Megatron-LM ``megatron/core/parallel_state.py`` (rank order
@@ -38,6 +39,8 @@ from scalebook.parallel.pipeline import build_schedule, stage_layers
 from scalebook.parallel.tensor import (
     TensorParallelGPT,
     copy_to_tensor_parallel_region,
+    sharding_of,
+    unshard_tensor,
     validate_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
@@ -149,6 +152,18 @@ class DeviceMesh:
         return self.dims.rank_of(**coords)
 
 
+def tied_embedding_group(mesh: DeviceMesh):
+    """This rank's group of the first and the last pipeline stage at its (dp, cp, tp) coordinates, which hold
+    the tied embedding's two copies (None on the other stages). Collective: every rank calls it."""
+    dims, mine = mesh.dims, None
+    for d, c, t in product(range(dims.dp), range(dims.cp), range(dims.tp)):
+        ranks = sorted({dims.rank_of(pp=0, dp=d, cp=c, tp=t), dims.rank_of(pp=dims.pp - 1, dp=d, cp=c, tp=t)})
+        group = dist.new_group(ranks)
+        if mesh.rank in ranks:
+            mine = group
+    return mine
+
+
 # -------------------------------------------------------------------------- 3-D training: DP x TP x PP
 
 
@@ -170,7 +185,7 @@ class TensorParallelStage(nn.Module):
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.first:
-            x = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks.values():
             x = block(x)
         if not self.last:
@@ -180,6 +195,22 @@ class TensorParallelStage(nn.Module):
         losses = vocab_parallel_cross_entropy(logits.reshape(B * T, -1), targets.reshape(-1), self.head.vocab_start,
                                               self.group)  # fmt: skip
         return losses.mean()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters in the unsharded GPT's layout and names, the head (the embedding's copy)
+        left out; a collective over the stage's tensor-parallel group."""
+        tp, full = dist.get_world_size(self.group), {}
+        for name, param in self.named_parameters():
+            if name == "head.weight":
+                continue
+            layout = sharding_of(name)
+            if layout is None:
+                full[name] = param.detach().clone()
+                continue
+            pieces = [torch.empty_like(param) for _ in range(tp)]
+            dist.all_gather(pieces, param.detach().contiguous(), group=self.group)
+            full[name] = unshard_tensor(pieces, layout)
+        return full
 
 
 def _run_pipeline_step(mesh: DeviceMesh, stage: TensorParallelStage, inputs, targets, microbatches: int) -> float:
@@ -196,7 +227,7 @@ def _run_pipeline_step(mesh: DeviceMesh, stage: TensorParallelStage, inputs, tar
             if stage.first:
                 x = x_mbs[m]
             else:
-                x = torch.empty(shape)
+                x = torch.empty(shape, device=inputs.device)
                 dist.recv(x, src=mesh.neighbour("pp", -1), tag=m)
                 x.requires_grad_()
             out = stage(x, y_mbs[m]) if stage.last else stage(x)
@@ -209,7 +240,7 @@ def _run_pipeline_step(mesh: DeviceMesh, stage: TensorParallelStage, inputs, tar
         else:
             grad = None
             if not stage.last:
-                grad = torch.empty(shape)
+                grad = torch.empty(shape, device=inputs.device)
                 dist.recv(grad, src=mesh.neighbour("pp", 1), tag=microbatches + m)
             torch.autograd.backward(kept_outputs.pop(m), grad)
             x = kept_inputs.pop(m)
@@ -234,13 +265,7 @@ def train_3d(
     """
     dims = ParallelDims(dist.get_world_size(), dp=dp, tp=tp, pp=pp)
     mesh = DeviceMesh.build(dims)
-    # The tied embedding: the first and the last stage of the same (dp, tp) coordinates.
-    tied_group = None
-    for d, t in product(range(dp), range(tp)):
-        ranks = sorted({dims.rank_of(pp=0, dp=d, tp=t), dims.rank_of(pp=pp - 1, dp=d, tp=t)})
-        group = dist.new_group(ranks)
-        if mesh.rank in ranks:
-            tied_group = group
+    tied_group = tied_embedding_group(mesh)  # the first and the last stage of the same (dp, tp) coordinates
     torch.manual_seed(seed)
     config = GPTConfig.named(size)
     tp_model = TensorParallelGPT.from_gpt(GPT(config), mesh.group("tp"))

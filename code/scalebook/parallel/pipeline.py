@@ -453,7 +453,9 @@ def run_schedule(
     last = schedule.n_stages - 1
     # Copies, not views: each micro-batch arrives as its own tensor, as it would from a data loader.
     x_mbs, y_mbs = [t.clone() for t in inputs.chunk(M)], [t.clone() for t in targets.chunk(M)]
-    message_shape = (*x_mbs[0].shape, next(iter(stages.values())).width)
+    first_stage = next(iter(stages.values()))
+    message_shape = (*x_mbs[0].shape, first_stage.width)
+    device = next(first_stage.parameters()).device  # activations arrive where this rank computes
     tracker = _LiveActivations([p for s in stages.values() for p in s.parameters()])
     stage_inputs, stage_outputs, losses, events, sends = {}, {}, [], [], []
     t_forward, t_backward = (None, None) if emulate is None else (emulate[0] / v, emulate[1] / v)
@@ -462,7 +464,7 @@ def run_schedule(
         return ((0 if kind == "F" else 1) * schedule.n_stages + s) * M + m
 
     def receive(kind: str, m: int, stage: int, from_stage: int) -> torch.Tensor:
-        buffer = torch.empty(message_shape)
+        buffer = torch.empty(message_shape, device=device)
         begin = time.perf_counter()
         dist.recv(buffer, src=schedule.rank_of(from_stage), tag=tag(kind, m, stage))
         events.append(Event("recv", m, stage, begin - t0, time.perf_counter() - t0, kind))

@@ -1,0 +1,134 @@
+"""Every chapter has what a reader relies on: the opening box (what you will learn, prerequisites, time to
+run), a summary, 3-8 exercises of which at least two are solved with code, each solution hidden in a
+dropdown, and a few multiple-choice checks with hidden answers."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CHAPTERS = sorted(REPO.glob("notebooks/[0-9][0-9]_*.ipynb"))
+
+EXERCISE = re.compile(r"^\d+\.\s+\*\*[^*]+\*\*", re.M)  # "1. **Title.** text": a numbered, titled exercise
+DROPDOWN = re.compile(r"^:::\{admonition\} (Solution|Answer)\n:class: dropdown\n(.*?)^:::$", re.M | re.S)
+CHOICES = re.compile(r"\([a-d]\)")
+
+
+def markdown(path: Path) -> str:
+    cells = json.loads(path.read_text(encoding="utf8"))["cells"]
+    return "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+
+
+def section(text: str, title: str) -> str:
+    """The text of the section (any level) whose heading is ``title``, up to the next heading of that level."""
+    match = re.search(rf"^(#+) {re.escape(title)}\s*$", text, re.M)
+    if not match:
+        return ""
+    level = len(match.group(1))
+    end = re.compile(rf"^#{{1,{level}}} ", re.M).search(text, match.end())
+    return text[match.end() : end.start() if end else len(text)]
+
+
+def problems(text: str) -> list[str]:
+    """What a chapter's markdown lacks, in words; empty when it has everything."""
+    found = []
+    for label in ("**You will learn**", "**Prerequisites**", "**Time to run**"):
+        if label not in text:
+            found.append(f"no {label} in the opening box")
+    if not section(text, "Summary").strip():
+        found.append("no Summary section")
+    exercises = section(text, "Exercises")
+    # The exercises section ends where the checks begin, whatever their heading level.
+    exercises = exercises.split("Check your understanding")[0]
+    n_exercises = len(EXERCISE.findall(exercises))
+    solutions = [body for kind, body in DROPDOWN.findall(exercises) if kind == "Solution"]
+    if not 3 <= n_exercises <= 8:
+        found.append(f"{n_exercises} exercises (want 3 to 8, each '1. **Title.** ...')")
+    if len(solutions) < n_exercises:
+        found.append(f"{n_exercises} exercises but {len(solutions)} dropdown solutions")
+    if sum("```python" in body for body in solutions) < 2:
+        found.append("fewer than two solutions that run code (a ```python block)")
+    checks = section(text, "Check your understanding")
+    questions = [q for q in re.split(r":::\{admonition\} Answer.*?^:::$", checks, flags=re.M | re.S)
+                 if len(CHOICES.findall(q)) >= 2]  # fmt: skip
+    answers = [body for kind, body in DROPDOWN.findall(checks) if kind == "Answer"]
+    if len(questions) < 2 or len(answers) < len(questions):
+        found.append(f"{len(questions)} multiple-choice checks with {len(answers)} hidden answers (want at least 2)")
+    return found
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_chapter_has_summary_exercises_and_checks(path):
+    assert problems(markdown(path)) == [], path.name
+
+
+def test_all_sixteen_chapters_are_checked():
+    assert [p.name[:2] for p in CHAPTERS] == [f"{i:02d}" for i in range(1, 17)]
+
+
+GOOD = """**You will learn** x **Prerequisites**: y. **Time to run**: z.
+
+## Summary
+
+It works.
+
+## Exercises
+
+1. **One.** Do it.
+
+:::{admonition} Solution
+:class: dropdown
+```python
+print(1)
+```
+:::
+
+2. **Two.** Again.
+
+:::{admonition} Solution
+:class: dropdown
+```python
+print(2)
+```
+:::
+
+3. **Three.** Think.
+
+:::{admonition} Solution
+:class: dropdown
+Words.
+:::
+
+## Check your understanding
+
+1. Pick one: (a) this (b) that.
+
+:::{admonition} Answer
+:class: dropdown
+(a)
+:::
+
+2. Pick again: (a) this (b) that.
+
+:::{admonition} Answer
+:class: dropdown
+(b)
+:::
+
+## References
+"""
+
+
+def test_the_check_accepts_a_complete_chapter_and_names_what_is_missing():
+    assert problems(GOOD) == []
+    no_code = GOOD.replace("```python\nprint(2)\n```", "Words.")
+    assert problems(no_code) == ["fewer than two solutions that run code (a ```python block)"]
+    two = GOOD[: GOOD.index("3. **Three.**")] + GOOD[GOOD.index("## Check") :]
+    assert problems(two) == ["2 exercises (want 3 to 8, each '1. **Title.** ...')"]
+    unanswered = GOOD.replace(":::{admonition} Answer\n:class: dropdown\n(b)\n:::", "")
+    assert problems(unanswered) == ["2 multiple-choice checks with 1 hidden answers (want at least 2)"]
+    assert "no Summary section" in problems(GOOD.replace("## Summary\n\nIt works.", ""))
