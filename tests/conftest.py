@@ -19,8 +19,8 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 PROBLEM = re.compile(r"WARNING|ERROR|SEVERE|CRITICAL|Exception|Traceback|Error:")
 
 
-def toc_pages() -> list[str]:
-    """The built page (path of the .html file) of every entry of _toc.yml, in order."""
+def toc_files() -> list[str]:
+    """Every ``file:`` entry of _toc.yml (the root first), in order, as written (no suffix)."""
     toc = yaml.safe_load((REPO / "_toc.yml").read_text(encoding="utf8"))
     files: list[str] = [toc["root"]]
 
@@ -35,7 +35,12 @@ def toc_pages() -> list[str]:
                 walk(item)
 
     walk({key: value for key, value in toc.items() if key != "root"})
-    return list(dict.fromkeys(str(Path(f).with_suffix("")) + ".html" for f in files))
+    return list(dict.fromkeys(files))
+
+
+def toc_pages() -> list[str]:
+    """The built page (path of the .html file) of every entry of _toc.yml, in order."""
+    return [str(Path(f).with_suffix("")) + ".html" for f in toc_files()]
 
 
 def _build_book(src: Path, out: Path, config_overrides: dict | None = None) -> Path:

@@ -107,7 +107,7 @@ def test_a_schedule_that_deadlocks_is_refused():
 
 def test_schedule_table_prints_the_gantt_chart():
     assert str(pp.build_schedule("gpipe", 2, 2)) == (
-        "gpipe: P=2 ranks, M=2 micro-batches\nrank 0 | F0 F1 .  .  B0 B1\nrank 1 | .  F0 F1 B0 B1 ."
+        "gpipe: p=2 ranks, m=2 micro-batches\nrank 0 | F0 F1 .  .  B0 B1\nrank 1 | .  F0 F1 B0 B1 ."
     )
 
 

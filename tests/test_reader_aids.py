@@ -6,6 +6,7 @@ entry; *italic* is emphasis. Bold that ends with ".", ":" or "?" is a run-in hea
 "**Overlap.**", "**Q1.**"), and the chapters' fixed labels "**Prerequisites**", "**You will learn**" and
 "**Time to run**" are labels; neither is a term. In the built book, book/_ext/glossary_links.py turns every
 bold term into a link to its entry, which the last test checks on the pages the ``book_html`` fixture builds.
+The formulas use the one notation of book/notation.md: letters it retired (``RETIRED``) must not come back.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import yaml
 from bs4 import BeautifulSoup
-from conftest import REPO, toc_pages
+from conftest import REPO, toc_files, toc_pages
 from markdown_it import MarkdownIt
 from mdit_py_plugins.dollarmath import dollarmath_plugin
 from mdit_py_plugins.front_matter import front_matter_plugin
@@ -30,7 +30,18 @@ CHAPTERS = sorted(REPO.glob("notebooks/[0-9][0-9]_*.ipynb"))
 FIXED_LABELS = {"prerequisites", "you will learn", "time to run"}
 HEADING_ENDS = (".", ":", "?")
 # Letters every reader meets across chapters; each must have a row of its own on the notation page.
-CORE_SYMBOLS = r"s T b B d h a L V N \Psi D C K N_d t P M v c n r \alpha \beta".split()
+CORE_SYMBOLS = r"s b B h a d_h L V N \Psi D C K t p d c n m M v r \alpha \beta T".split()
+# Spellings the book's one notation (Megatron-LM's letters) retired, as regular expressions over the text of
+# a formula. Each is unambiguous: d_kv, d_h, p and m do not match. A formula may still show one inside a
+# parenthesis that names the paper whose letter it is, "(Vaswani et al.'s $d_\text{model}$)".
+RETIRED = {
+    "N_d (the data-parallel degree is d)": r"N_\{?d\}?(?![A-Za-z0-9])",
+    "d_model (the hidden size is h)": r"d_\{?(?:\\(?:text|mathrm|rm)\s*)?\{?model\b",
+    "d_k (the head width is d_h)": r"d_\{?k\}?(?![A-Za-z0-9])",
+    "P - 1 (the pipeline degree is p)": r"(?<![\\A-Za-z_])v?P\s*-\s*1(?![0-9])",
+    "M + p (the micro-batches are m)": r"(?<![\\A-Za-z_])v?M\s*\+\s*[pP](?![A-Za-z])",
+}
+NAMES_A_PAPER = re.compile(r"et al\.|paper")
 
 # CommonMark plus what MyST adds that can hide asterisks: $math$ and front matter. Fenced code (also the
 # {glossary} and {eval-rst} fences) and inline code are never bold.
@@ -90,19 +101,7 @@ def markdown_of(path: Path) -> str:
 
 def book_sources() -> list[Path]:
     """Every page of _toc.yml, the chapters and the reader-aid pages, as source files."""
-    toc = yaml.safe_load((REPO / "_toc.yml").read_text(encoding="utf8"))
-    files = [toc["root"]]
-
-    def walk(node):
-        if isinstance(node, dict):
-            files.extend([node["file"]] if "file" in node else [])
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for item in node:
-                walk(item)
-
-    walk({key: value for key, value in toc.items() if key != "root"})
+    files = toc_files()
     found = []
     for name in files:
         found += [p for p in (REPO / f"{name}.md", REPO / f"{name}.ipynb") if p.is_file()]
@@ -119,7 +118,92 @@ def unknown_bold(sources: dict[str, str], terms: dict[str, str]) -> list[str]:
     ]
 
 
+def retired_spellings(markdown: str) -> list[str]:
+    """'$formula$: what it retired' for every formula ($...$, $$...$$, also inside MyST directives such as
+    the glossary) that uses a retired spelling, unless it sits inside a parenthesis naming a paper."""
+    found = []
+
+    def check(math: str, allowed: bool = False) -> None:
+        found.extend(
+            f"${' '.join(math.split())}$: {what}"
+            for what, pattern in RETIRED.items()
+            if re.search(pattern, math) and not allowed
+        )
+
+    def parenthesised(text: str) -> list[tuple[int, int]]:
+        """(start, end) of every parenthesis of ``text``; an unclosed one runs to the end."""
+        groups, stack = [], []
+        for i, char in enumerate(text):
+            if char == "(":
+                stack.append(i)
+            elif char == ")" and stack:
+                groups.append((stack.pop(), i + 1))
+        return groups + [(start, len(text)) for start in stack]
+
+    def walk(tokens) -> None:
+        for token in tokens:
+            if token.type in ("math_block", "math_block_label"):
+                check(token.content)
+            elif token.type == "fence" and token.info.startswith("{"):
+                walk(_MARKDOWN.parse(token.content))  # a directive's body is markdown too
+            elif token.type == "inline":
+                # The inline text with each formula replaced by one character, to find the parentheses.
+                text, formulas = "", []
+                for child in token.children or []:
+                    if child.type in ("math_inline", "math_inline_double"):
+                        formulas.append((len(text), child.content))
+                        text += "\0"
+                    else:
+                        text += " " if child.type in ("softbreak", "hardbreak") else child.content
+                groups = [(a, b) for a, b in parenthesised(text) if NAMES_A_PAPER.search(text[a:b])]
+                for at, math in formulas:
+                    check(math, allowed=any(a < at < b for a, b in groups))
+
+    walk(_MARKDOWN.parse(markdown))
+    return found
+
+
 # ---- source level ---------------------------------------------------------------------------------------
+
+
+def test_retired_letters_do_not_come_back():
+    sources = sorted(REPO.glob("notebooks/*.ipynb")) + sorted((REPO / "book").glob("*.md"))
+    offenders = [f"{p.relative_to(REPO)}: {hit}" for p in sources for hit in retired_spellings(markdown_of(p))]
+    assert not offenders, (
+        f"{len(offenders)} formulas use letters the book retired (see book/notation.md); write them in the "
+        "book's notation, or name the paper whose letter it is in the same parenthesis.\n  " + "\n  ".join(offenders)
+    )
+
+
+def test_the_retired_letters_check_catches_what_it_must():
+    """A page with every retired spelling planted once, next to look-alikes that must pass."""
+    page = r"""Data parallelism on $N_d$ ranks, heads of width $\sqrt{d_k}$, and a bubble
+$(P-1)/(M+P-1)$. Fine: $d$, $d_h$, $d_{kv}$, $n_{kv}$, $\Psi$, $(p-1)/(m+p-1)$, $M\beta$, `$N_d$` in code,
+the width $h$ (Vaswani et al.'s $d_\text{model}$), and (the ZeRO paper writes $N_{d}$ for $d$).
+
+$$
+\frac{P - 1}{vM + P - 1} = \frac{p-1}{vm+p-1}
+$$ (eq-bubble)
+
+| symbol | meaning |
+| --- | --- |
+| $d_{\text{model}}$ | width, in a table without a paper |
+
+```{glossary}
+ZeRO
+  Model states over $N_{d}$ ranks.
+```
+"""
+    assert retired_spellings(page) == [
+        "$N_d$: N_d (the data-parallel degree is d)",
+        "$\\sqrt{d_k}$: d_k (the head width is d_h)",
+        "$(P-1)/(M+P-1)$: P - 1 (the pipeline degree is p)",
+        "$(P-1)/(M+P-1)$: M + p (the micro-batches are m)",
+        "$\\frac{P - 1}{vM + P - 1} = \\frac{p-1}{vm+p-1}$: P - 1 (the pipeline degree is p)",
+        "$\\frac{P - 1}{vM + P - 1} = \\frac{p-1}{vm+p-1}$: M + p (the micro-batches are m)",
+        "$d_{\\text{model}}$: d_model (the hidden size is h)",
+        "$N_{d}$: N_d (the data-parallel degree is d)",
+    ]
 
 
 def test_every_bold_term_is_in_the_glossary():

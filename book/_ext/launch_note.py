@@ -22,7 +22,7 @@ def _note(app, docname: str) -> nodes.paragraph | None:
         return None
     paragraph = nodes.paragraph(classes=["launch-note"])
     if source.suffix == ".ipynb":
-        paragraph += nodes.Text("Run this chapter yourself: ")
+        paragraph += nodes.Text("Run this notebook yourself: ")
         paragraph += nodes.literal(text=f"make lab NB={relative}")
         paragraph += nodes.Text(" opens it in JupyterLab")
     else:

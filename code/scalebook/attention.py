@@ -411,16 +411,16 @@ def attention_saved_bytes(
         terms["layer input x (for W_Q, W_K, W_V)"] = b * t * h * d * dtype_bytes
     terms["Q, K, V"] = 3 * b * h * t * d * dtype_bytes
     if impl == "explicit":
-        terms["softmax output P (T x T per head)"] = b * h * t * t * dtype_bytes
+        terms["softmax output P (s x s per head)"] = b * h * t * t * dtype_bytes
         if masked:
-            terms["mask (T x T booleans)"] = t * t
+            terms["mask (s x s booleans)"] = t * t
         if projections:
             terms["merged heads (input of W_O)"] = b * t * h * d * dtype_bytes
     else:
         # The kernel allocates O as (B, T, h, d_head), so merging the heads is free and W_O saves
         # the same storage: no separate term for the input of W_O.
         terms["output O (also the input of W_O)"] = b * h * t * d * dtype_bytes
-        terms["log-sum-exp (T per head, float32)"] = b * h * t * 4
+        terms["log-sum-exp (s per head, float32)"] = b * h * t * 4
     return terms
 
 

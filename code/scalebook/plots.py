@@ -171,7 +171,7 @@ def vocab_tradeoff(
     for label, value in (reference_params or {}).items():
         ax_params.axhline(value, color="gray", linestyle="--", linewidth=1, label=label)
     ax_params.set_yscale("log")
-    ax_params.set_ylabel("embedding parameters (V x d)")
+    ax_params.set_ylabel("embedding parameters (V x h)")
     for ax in (ax_tokens, ax_params):
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(vocab_sizes), [f"{v:,}" for v in vocab_sizes], fontsize=8)
@@ -279,7 +279,7 @@ def softmax_saturation(d_ks: Sequence[int], stats: dict[str, Sequence], *, title
         for series, values in stats.items():
             ax.plot(d_ks, [getattr(v, field) for v in values], marker="o", markersize=4, label=series)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("head width $d_k$")
+        ax.set_xlabel("head width $d_h$")
         ax.set_title(label, fontsize=10)
         ax.set_ylim(0, None)
     axes[0].legend(fontsize=8)
@@ -458,7 +458,7 @@ def bubble_vs_microbatches(
     ax.set_xscale("log", base=2)
     ax.set_xticks(ms, [str(m) for m in ms])
     ax.minorticks_off()
-    ax.set_xlabel("micro-batches per step (M)")
+    ax.set_xlabel("micro-batches per step $m$")
     ax.set_ylabel("bubble: idle share of the step")
     ax.set_ylim(bottom=0)
     ax.set_title(title)
@@ -607,7 +607,7 @@ def zero_memory_vs_dp(
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     ax.set_yscale("log")
-    ax.set_xlabel("data-parallel degree $N_d$")
+    ax.set_xlabel("data-parallel degree $d$")
     ax.set_ylabel("bytes per parameter per device")
     right = ax.secondary_yaxis("right", functions=(lambda b: b * n_params / 1e9, lambda gb: gb * 1e9 / n_params))
     right.set_ylabel(f"GB per device for {n_params / 1e9:.3g}B parameters")
@@ -674,8 +674,8 @@ def scaling_curve(
     title: str = "",
     ax=None,
 ):
-    """Scaling against the number of ranks N (log2 axis): strong scaling plots the speed-up T(1)/T(N) at a
-    fixed global batch (ideal: N), weak scaling the efficiency T(1)/T(N) at a fixed batch per rank
+    """Scaling against the number of data-parallel ranks d (log2 axis): strong scaling plots the speed-up
+    T(1)/T(d) at a fixed global batch (ideal: d), weak scaling the efficiency T(1)/T(d) at a fixed batch per rank
     (ideal: 1). ``measured`` series are drawn solid with markers, ``predicted`` ones dashed; each maps a
     label to ``(ranks, values)``."""
     if kind not in ("strong", "weak"):
@@ -692,8 +692,8 @@ def scaling_curve(
     ax.set_xscale("log", base=2)
     ax.set_xticks(ranks, [str(n) for n in ranks])
     ax.minorticks_off()
-    ax.set_xlabel("ranks N")
-    ax.set_ylabel("speed-up T(1) / T(N)" if kind == "strong" else "efficiency T(1) / T(N)")
+    ax.set_xlabel("data-parallel ranks $d$")
+    ax.set_ylabel("speed-up $T(1) / T(d)$" if kind == "strong" else "efficiency $T(1) / T(d)$")
     ax.set_ylim(0, None)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)

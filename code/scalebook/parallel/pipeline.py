@@ -286,7 +286,7 @@ def schedule_table(schedule: Schedule) -> str:
     width = max(len(schedule.label(s.action)) for row in slots for s in row) + 1
     length = int(max(s.end for row in slots for s in row))
     lines = [
-        f"{schedule.name}: P={schedule.pp} ranks, M={schedule.microbatches} micro-batches"
+        f"{schedule.name}: p={schedule.pp} ranks, m={schedule.microbatches} micro-batches"
         + (f", v={v} chunks per rank" if v > 1 else "")
     ]
     for r, row in enumerate(slots):
@@ -593,7 +593,7 @@ def check_runs(config: GPTConfig, pp: int, runs: Sequence[PipelineRun], batch_si
             mine.append(f"emulate must be (forward seconds, backward seconds) > 0, got {run.emulate!r}")
         if isinstance(run.repeats, bool) or not isinstance(run.repeats, int) or run.repeats < 1:
             mine.append(f"repeats must be an integer >= 1, got {run.repeats!r}")
-        problems += [f"run {i} ({run.schedule}, M={run.microbatches}): {p}" for p in mine]
+        problems += [f"run {i} ({run.schedule}, m={run.microbatches}): {p}" for p in mine]
     if problems:
         raise ValueError("; ".join(problems))
 
