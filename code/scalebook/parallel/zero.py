@@ -544,6 +544,19 @@ def train_zero(recipe: Recipe, stage: int, dtype: torch.dtype = torch.float32, *
             "peak": engine.peak_bytes, "traffic": traffic.by_op()}  # fmt: skip
 
 
+def _train_reference(model: nn.Module, optimizer, recipe: Recipe) -> tuple[list[float], object]:
+    """The training loop of the PyTorch references on this rank: the losses, and the traffic of the last step."""
+    losses = []
+    for x, y in recipe.batches(dist.get_rank(), dist.get_world_size()):
+        with count_traffic() as traffic:
+            _, loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, traffic
+
+
 def train_torch_zero1(recipe: Recipe, dtype: torch.dtype = torch.float32) -> dict:
     """PyTorch's ZeRO-1: ``DistributedDataParallel`` plus ``ZeroRedundancyOptimizer`` wrapping AdamW.
 
@@ -561,14 +574,7 @@ def train_torch_zero1(recipe: Recipe, dtype: torch.dtype = torch.float32) -> dic
     optimizer = ZeroRedundancyOptimizer(
         model.parameters(), optimizer_class=torch.optim.AdamW, foreach=False, **recipe.adamw()
     )
-    losses = []
-    for x, y in recipe.batches(dist.get_rank(), dist.get_world_size()):
-        with count_traffic() as traffic:
-            _, loss = ddp(x, y)
-            loss.backward()
-            optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses, traffic = _train_reference(ddp, optimizer, recipe)
     state = [t for s in optimizer.optim.state.values() for t in s.values() if t.dim() > 0]
     return {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "losses": losses,
             "optimizer_bytes": _storage_bytes(state), "traffic": traffic.by_op()}  # fmt: skip
@@ -596,14 +602,7 @@ def train_fsdp2(recipe: Recipe, dtype: torch.dtype = torch.float32, **fsdp_optio
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = shard_with_fsdp2(recipe.model(dtype), mesh, **fsdp_options)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **recipe.adamw())
-    losses = []
-    for x, y in recipe.batches(dist.get_rank(), dist.get_world_size()):
-        with count_traffic() as traffic:
-            _, loss = model(x, y)
-            loss.backward()
-            optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses, traffic = _train_reference(model, optimizer, recipe)
     params = {name: p.full_tensor() for name, p in model.named_parameters()}  # a collective
     local = [p.to_local() for p in model.parameters()]
     state = [t.to_local() for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
