@@ -106,7 +106,7 @@ def _cases(reports, **where):
         for key, value in report.items():
             if not (isinstance(key, tuple) and len(key) == 4):
                 continue
-            fields = dict(zip(("k", "numel", "integers", "name"), key))
+            fields = dict(zip(("k", "numel", "integers", "name"), key, strict=True))
             if all(fields[f] == v for f, v in where.items()):
                 yield rank, key, value
 
@@ -213,7 +213,7 @@ def test_every_library_collective_runs_on_gloo_with_the_expected_before_and_afte
     results = [report["every_collective"] for report in reports]
     n = len(results)
     x = [[10.0 * (r + 1) + j for j in range(n)] for r in range(n)]  # rank r holds 10 (r + 1) + j
-    sums = [sum(column) for column in zip(*x)]
+    sums = [sum(column) for column in zip(*x, strict=True)]
     everything = [v for row in x for v in row]
     expected_after = {
         "broadcast": [x[0]] * n,

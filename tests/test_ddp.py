@@ -96,7 +96,7 @@ def test_every_version_matches_torch_ddp(ranks, dtype_name):
     reference = results[0]["torch", dtype_name]
     for version in VERSIONS[:3]:
         run = results[0][version, dtype_name]
-        assert max(abs(a - b) for a, b in zip(run["losses"], reference["losses"])) <= LOSS_TOL, version
+        assert max(abs(a - b) for a, b in zip(run["losses"], reference["losses"], strict=True)) <= LOSS_TOL, version
         assert max_param_diff(run["params"], reference["params"]) <= PARAM_TOL[dtype_name], version
 
 
@@ -107,7 +107,7 @@ def test_every_version_matches_single_process_on_the_global_batch(ranks, dtype_n
     losses, params = single_process(DTYPES[dtype_name], TRAIN.batch_size, n)
     for version in VERSIONS:
         run = results[0][version, dtype_name]
-        assert max(abs(a - b) for a, b in zip(run["losses"], losses)) <= LOSS_TOL, version
+        assert max(abs(a - b) for a, b in zip(run["losses"], losses, strict=True)) <= LOSS_TOL, version
         assert max_param_diff(run["params"], params) <= PARAM_TOL[dtype_name], version
 
 
@@ -130,7 +130,7 @@ def test_no_sync_accumulation_equals_one_large_batch(ranks):
     n, results = ranks
     losses, params = single_process(torch.float64, TRAIN.batch_size, 2 * n)  # the same 4n sequences per step
     run = results[0]["accumulate"]
-    assert max(abs(a - b) for a, b in zip(run["losses"], losses)) <= LOSS_TOL
+    assert max(abs(a - b) for a, b in zip(run["losses"], losses, strict=True)) <= LOSS_TOL
     assert max_param_diff(run["params"], params) <= PARAM_TOL["fp64"]
 
 

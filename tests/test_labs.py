@@ -80,8 +80,8 @@ def test_accumulation_parity_catches_both_scaling_bugs_and_passes_the_fix(result
     assert per_micro_batch["grad_error"] > 0.05  # micro-batches weighted by 1/4, not by their tokens
     assert fixed["grad_error"] < 1e-5  # fp32 sums in another order
     for broken in (unscaled, per_micro_batch):
-        assert max(abs(a - b) / b for a, b in zip(broken["losses"], acc["reference"])) > 1e-3
-    assert max(abs(a - b) / b for a, b in zip(fixed["losses"], acc["reference"])) < 1e-5
+        assert max(abs(a - b) / b for a, b in zip(broken["losses"], acc["reference"], strict=True)) > 1e-3
+    assert max(abs(a - b) / b for a, b in zip(fixed["losses"], acc["reference"], strict=True)) < 1e-5
 
 
 def test_no_sync_misuse_shows_in_checksums_and_traffic(results):

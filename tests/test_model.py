@@ -82,7 +82,7 @@ def test_explicit_and_sdpa_attention_agree_in_training_gradients():
     idx = torch.randint(0, 256, (2, 65))
     for m in (a, b):
         m(idx[:, :-1], idx[:, 1:])[1].backward()
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
@@ -109,7 +109,7 @@ def test_activation_checkpointing_gives_identical_gradients():
         model.gradient_checkpointing = ckpt
         model(idx[:, :-1], idx[:, 1:])[1].backward()
         grads.append([p.grad.clone() for p in model.parameters()])
-    for g0, g1 in zip(*grads):
+    for g0, g1 in zip(*grads, strict=True):
         torch.testing.assert_close(g0, g1, atol=0, rtol=0)
 
 

@@ -1,5 +1,7 @@
 """Byte-level BPE from scratch against Hugging Face ``tokenizers``, and its own invariants."""
 
+from itertools import pairwise
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -123,7 +125,7 @@ def test_merge_steps_end_at_the_encoding():
     tokenizer = ROUND_TRIP_TOKENIZER
     steps = tokenizer.merge_steps(" café")
     assert len(steps[0]) == len(" café".encode())
-    assert all(len(after) < len(before) for before, after in zip(steps, steps[1:]))
+    assert all(len(after) < len(before) for before, after in pairwise(steps))
     assert steps[-1] == tokenizer.encode(" café")
 
 

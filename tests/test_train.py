@@ -1,6 +1,7 @@
 """The single-device training loop: it learns, it is deterministic, and its options are exact."""
 
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def test_gradient_accumulation_equals_one_large_batch():
     acc = fresh_model()
     for i in range(2):
         (acc(x[4 * i : 4 * i + 4], y[4 * i : 4 * i + 4])[1] / 2).backward()
-    for (name, a), b in zip(big.named_parameters(), acc.parameters()):
+    for (name, a), b in zip(big.named_parameters(), acc.parameters(), strict=True):
         # Same math, different summation order: float32 rounding only.
         torch.testing.assert_close(a.grad, b.grad, atol=1e-7, rtol=1e-5, msg=name)
 
@@ -56,7 +57,7 @@ def test_train_with_accumulation_matches_train_without():
     # Same data per step, same gradient up to float32 summation order; three Adam steps amplify
     # that rounding to ~1e-6 in the loss.
     assert la == pytest.approx(lb, abs=1e-5)
-    for pa, pb in zip(a.parameters(), b.parameters()):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, atol=1e-5, rtol=0)
 
 
@@ -85,7 +86,7 @@ def test_learning_rate_schedule_warms_up_then_decays_to_min():
     assert lr_at(9, cfg) == pytest.approx(1e-3)
     assert lr_at(99, cfg) == pytest.approx(1e-4)
     lrs = [lr_at(s, cfg) for s in range(10, 100)]
-    assert all(x >= y for x, y in zip(lrs, lrs[1:]))
+    assert all(x >= y for x, y in pairwise(lrs))
 
 
 def test_adam_state_bytes_after_one_step():

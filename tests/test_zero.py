@@ -195,7 +195,7 @@ def test_zero3_mixed_precision_matches_fsdp2_bf16_policy(results):
         # Four ranks add in an order set by which rank owns an element, and FSDP2's per-parameter shards
         # own elements differently from our flat shards: bf16 rounding differs (about 4e-3 relative),
         # so compare the losses, which differ from an fp32 run by about 3e-4 already at the first step.
-        assert max(abs(a - b) for a, b in zip(losses["ZeRO-3"], losses["FSDP2"])) < 1e-4
+        assert max(abs(a - b) for a, b in zip(losses["ZeRO-3"], losses["FSDP2"], strict=True)) < 1e-4
 
 
 @pytest.mark.parametrize("precision", ["fp32", "mixed"])

@@ -427,7 +427,7 @@ class _ZeroAdamW:
         if self.accumulated is None:
             self.accumulated = [shard.clone() for shard in shards]
         else:
-            for total, shard in zip(self.accumulated, shards):
+            for total, shard in zip(self.accumulated, shards, strict=True):
                 total.add_(shard)
 
     def reduce_gradients(self) -> None:
@@ -435,7 +435,7 @@ class _ZeroAdamW:
         if self.engine.stage < 2:
             self.engine._reduce_gradients()
         else:
-            for unit, total in zip(self.engine.units, self.accumulated):
+            for unit, total in zip(self.engine.units, self.accumulated, strict=True):
                 unit.grad_shard.copy_(total)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -446,7 +446,7 @@ class _ZeroAdamW:
 
         engine, lr = self.engine, self.param_groups[0]["lr"]
         engine.steps += 1
-        for unit, decayed in zip(engine.units, self.decayed):
+        for unit, decayed in zip(engine.units, self.decayed, strict=True):
             for piece in decayed:  # AdamW's decoupled decay, theta <- theta (1 - lr wd), as torch computes it
                 unit.master[piece].mul_(1 - lr * self.weight_decay)
             adam_update(unit.master, unit.grad_shard, unit.exp_avg, unit.exp_avg_sq, step=engine.steps, lr=lr,
@@ -513,7 +513,7 @@ def _load_local(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state:
                 value = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
                                            shape=param.shape, stride=param.stride())  # fmt: skip
             live[key] = value
-    for group, saved_group in zip(optimizer.param_groups, saved_opt["param_groups"]):
+    for group, saved_group in zip(optimizer.param_groups, saved_opt["param_groups"], strict=True):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
 
 
@@ -602,7 +602,7 @@ def run(args: argparse.Namespace) -> list[float]:
                 step_loss = pipeline.forward_backward(x, y, args.precision)
             else:
                 step_loss = torch.zeros((), device=device)
-                for i, (xm, ym) in enumerate(zip(x.chunk(layout.grad_accum), y.chunk(layout.grad_accum))):
+                for i, (xm, ym) in enumerate(zip(x.chunk(layout.grad_accum), y.chunk(layout.grad_accum), strict=True)):
                     last = i == layout.grad_accum - 1
                     # DDP communicates on the last micro-batch only; the others accumulate locally.
                     sync = model.no_sync() if data_parallel_wrapper and not last else contextlib.nullcontext()

@@ -320,7 +320,7 @@ def accumulation_lab(
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
     ref_losses, ref_grads = [], None
     for step in range(steps):
-        x, y = (torch.cat(t) for t in zip(*batches(step)))
+        x, y = (torch.cat(t) for t in zip(*batches(step), strict=True))
         ref_opt.zero_grad()
         _, loss = reference(x, y)  # cross_entropy's mean skips the -100 targets: a token-weighted mean
         loss.backward()
@@ -404,7 +404,7 @@ def no_sync_lab(
             x, y = get_batch(_tokens(), micro_batch * grad_accum, seq_len, generator, rank=rank, world_size=world)
             optimizer.zero_grad()
             with count_traffic() as traffic:
-                for i, (xb, yb) in enumerate(zip(x.chunk(grad_accum), y.chunk(grad_accum))):
+                for i, (xb, yb) in enumerate(zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True)):
                     if variant == "broken: no_sync on every micro-batch":
                         skip = True
                     elif variant == "broken: no_sync never used":

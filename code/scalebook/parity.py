@@ -123,7 +123,7 @@ def compare_losses(
     for name, curve in losses.items():
         if name == reference:
             continue
-        deviations = tuple(abs(float(v) - b) / max(abs(b), 1e-12) for v, b in zip(curve, base))
+        deviations = tuple(abs(float(v) - b) / max(abs(b), 1e-12) for v, b in zip(curve, base, strict=True))
         worst = max(range(len(deviations)), key=deviations.__getitem__)
         first = next((t for t, d in enumerate(deviations) if d > tolerance), None)
         layouts.append(LayoutParity(name, deviations[worst], worst, first, deviations))

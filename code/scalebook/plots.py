@@ -54,7 +54,7 @@ def memory_bars(
     for i, component in enumerate(components):
         widths = [bars[label].get(component, 0.0) / unit for label in labels]
         ax.barh(labels, widths, left=left, color=colors[i % len(colors)], label=component)
-        left = [a + b for a, b in zip(left, widths)]
+        left = [a + b for a, b in zip(left, widths, strict=True)]
     if capacity is not None:
         ax.axvline(capacity / unit, color="black", linestyle="--", linewidth=1.2)
         # x in data units, y in axes units: the label sits just above the plot, clear of the bars.
@@ -484,8 +484,8 @@ def collective_before_after(cases: dict, *, owner=None, title: str = "", cell: f
     span = max(before + gap + after for before, after in widths)
     fig, axes = plt.subplots(len(cases), 1, squeeze=False,
                              figsize=((span + margin) * cell, len(cases) * (n_ranks + 1.8) * cell + 0.4))  # fmt: skip
-    for ax, (name, pair), (width_before, _) in zip(axes[:, 0], cases.items(), widths):
-        for x0, buffers in zip((0.0, width_before + gap), pair):
+    for ax, (name, pair), (width_before, _) in zip(axes[:, 0], cases.items(), widths, strict=True):
+        for x0, buffers in zip((0.0, width_before + gap), pair, strict=True):
             for rank, values in enumerate(buffers):
                 y = n_ranks - 1 - rank
                 if values is None:
@@ -528,7 +528,7 @@ def tensor_parallel_times(
     fig, ax = _figure(ax)
     ax.plot(tps, [1e3 * c for c in compute], "o-", color="black", linewidth=2, label="compute")
     colors = ("tab:green", "tab:red", "tab:blue", "tab:purple")
-    for (label, times), color in zip(communication.items(), colors):
+    for (label, times), color in zip(communication.items(), colors, strict=False):
         ax.plot(tps, [1e3 * t for t in times], "s--", color=color, label=f"communication, {label}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

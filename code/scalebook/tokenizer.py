@@ -33,6 +33,7 @@ import os
 import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
+from itertools import pairwise
 from pathlib import Path
 
 import regex
@@ -58,7 +59,7 @@ def bytes_to_unicode() -> dict[int, str]:
         if b not in printable:
             byte_values.append(b)
             code_points.append(256 + len(code_points) - len(printable))
-    return {b: chr(c) for b, c in zip(byte_values, code_points)}
+    return {b: chr(c) for b, c in zip(byte_values, code_points, strict=True)}
 
 
 BYTE_TO_CHAR = bytes_to_unicode()
@@ -84,7 +85,7 @@ def merge_pair(ids: Sequence[int], pair: tuple[int, int], new_id: int) -> list[i
 
 
 def _pairs(ids: Sequence[int]) -> Iterable[tuple[int, int]]:
-    return zip(ids, ids[1:])
+    return pairwise(ids)
 
 
 def _check_utf8_encodable(text: str) -> None:
@@ -118,7 +119,7 @@ def train_merges(word_counts: dict[str, int], vocab_size: int) -> tuple[list[tup
     counts = list(word_counts.values())
     pair_counts: dict[tuple[int, int], int] = defaultdict(int)
     rows_with_pair: dict[tuple[int, int], set[int]] = defaultdict(set)
-    for row, (ids, count) in enumerate(zip(words, counts)):
+    for row, (ids, count) in enumerate(zip(words, counts, strict=True)):
         for pair in _pairs(ids):
             pair_counts[pair] += count
             rows_with_pair[pair].add(row)

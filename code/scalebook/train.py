@@ -139,7 +139,7 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         step_loss = 0.0
         x_step, y_step = next(batches)
-        for x, y in zip(x_step.chunk(cfg.grad_accum), y_step.chunk(cfg.grad_accum)):
+        for x, y in zip(x_step.chunk(cfg.grad_accum), y_step.chunk(cfg.grad_accum), strict=True):
             with autocast_context(cfg.precision, device_type):
                 _, loss = model(x, y)
             # Divide so the accumulated gradient is that of the mean over all micro-batches.

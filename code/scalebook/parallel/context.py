@@ -146,7 +146,7 @@ def _pass_on(tensors: list[torch.Tensor], group, tag: int) -> list[torch.Tensor]
     _, _, next_rank, prev_rank = _ring_peers(group)
     received = [torch.empty_like(t) for t in tensors]
     works = []
-    for i, (out, into) in enumerate(zip(tensors, received)):
+    for i, (out, into) in enumerate(zip(tensors, received, strict=True)):
         # isend never blocks, so every rank can send before it receives without a deadlock.
         works.append(dist.isend(out.contiguous(), dst=next_rank, group=group, tag=tag + i))
         works.append(dist.irecv(into, src=prev_rank, group=group, tag=tag + i))
@@ -285,7 +285,7 @@ def compare_ring_attention(
             return unshard_sequence(pieces, split=split)
 
         errors = {"output": (gathered(out) - reference).abs().max().item()}
-        for name, local, ref in zip(("grad_q", "grad_k", "grad_v"), mine, full):
+        for name, local, ref in zip(("grad_q", "grad_k", "grad_v"), mine, full, strict=True):
             errors[name] = (gathered(local.grad) - ref.grad).abs().max().item()
         results[split] = {
             "errors": errors,

@@ -380,7 +380,7 @@ class DataParallelRun:
         self.spans.clear()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
-        for i, (xb, yb) in enumerate(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum))):
+        for i, (xb, yb) in enumerate(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum), strict=True)):
             local = i < cfg.grad_accum - 1 and self.version != "single"
             with self.wrapped.no_sync() if local else contextlib.nullcontext():
                 with self._timed("forward"):

@@ -286,7 +286,7 @@ def compare_expert_parallel(*, tokens_per_rank: int = 32, config: MoEConfig | No
     expert_error = max(
         (p.grad - q.grad).abs().max().item()
         for j, expert in enumerate(model.experts)
-        for p, q in zip(expert.parameters(), reference.experts[model.first_expert + j].parameters())
+        for p, q in zip(expert.parameters(), reference.experts[model.first_expert + j].parameters(), strict=True)
     )
     return {
         "output_error": (y - y_ref[mine]).abs().max().item(),
@@ -384,7 +384,7 @@ def train_load_balance(
         total.backward()
         optimizer.step()
         if balancing == "bias":
-            for block, routing in zip(model.blocks, routings):
+            for block, routing in zip(model.blocks, routings, strict=True):
                 block.moe.update_bias(routing.load)
         history["loss"].append(loss.item())
         history["imbalance"].append(sum(float(r.load.max() / r.load.float().mean()) for r in routings) / len(routings))

@@ -111,7 +111,7 @@ class ParallelDims:
         others = [name for name in DIMS if name != along]
         groups = []
         for fixed in product(*(range(getattr(self, name)) for name in others)):
-            where = dict(zip(others, fixed))
+            where = dict(zip(others, fixed, strict=True))
             members = [self.rank_of(**where, **{along: i}) for i in range(getattr(self, along))]
             if dim == "ep":  # consecutive blocks of ep data-parallel ranks
                 groups += [members[i : i + self.ep] for i in range(0, len(members), self.ep)]
@@ -341,7 +341,7 @@ def compare_3d_with_single_process(
     per_rank = launch(train_3d, dp * tp * pp, dp=dp, tp=tp, pp=pp, microbatches=microbatches, timeout=timeout,
                       **kwargs)  # fmt: skip
     reference = single_process_losses(**kwargs)
-    errors = [abs(a - b) for r in per_rank for a, b in zip(r["losses"], reference)]
+    errors = [abs(a - b) for r in per_rank for a, b in zip(r["losses"], reference, strict=True)]
     return {
         "losses": per_rank[0]["losses"],
         "reference": reference,
