@@ -1,0 +1,203 @@
+"""Every number in book/interview-questions.md that restates a result of the book equals that result.
+
+The interview page is prose (a Markdown page, not a notebook), so it cannot glue its numbers from the
+chapters. Instead each number is registered here as a *claim*: the exact phrase the page prints, with
+the number recomputed by the package (``accounting``, ``configs``, the cost model), formatted the way the
+page formats it. A claim fails when the page's number differs from the package's, and a second test
+fails when a percentage appears on the page that no claim (and no listed quotation of a paper) covers,
+so a new unchecked percentage cannot slip in.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from scalebook import accounting, configs
+from scalebook.accounting.pipeline import bubble_fraction
+
+PAGE = Path(__file__).resolve().parent.parent / "book" / "interview-questions.md"
+GB, TB = 1e9, 1e12
+SECONDS_PER_DAY = 86_400
+
+
+def page_text() -> str:
+    """The page with line breaks folded into spaces, so a phrase may span two source lines."""
+    return re.sub(r"\s+", " ", PAGE.read_text())
+
+
+def _gpt3():
+    return configs.get_model("gpt3-175b")
+
+
+def _h100_bf16() -> float:
+    return configs.get_hardware("h100-sxm").peak("bf16")
+
+
+def _a100_bf16() -> float:
+    return configs.get_hardware("a100-sxm4-80gb").peak("bf16")
+
+
+def _tp_layer_share(tp: int, link: str, alpha: float) -> float:
+    """Chapter 12's communication share of one Llama 2 70B layer (s = 4096, H100 at 50 % MFU)."""
+    from scalebook.parallel import tensor
+
+    times = tensor.tensor_parallel_layer_times(
+        configs.get_model("llama-2-70b"), tp, seq_len=4096, micro_batch=1, peak_flops=_h100_bf16(), mfu=0.5,
+        bandwidth=configs.get_link(link).bandwidth, alpha=alpha,
+    )
+    return times.communication_fraction
+
+
+def _hierarchical_all_reduce_seconds() -> float:
+    """Chapter 9, exercise 4: 350 GB reduced inside nodes of 8, across 128 nodes, gathered inside."""
+    from scalebook.dist import costmodel
+
+    nvl, ib = costmodel.link_model("nvlink-3"), costmodel.link_model("infiniband-hdr")
+    m = 350e9
+    return nvl.time("reduce_scatter", m, 8) + ib.time("all_reduce", m / 8, 128) + nvl.time("all_gather", m, 8)
+
+
+def _flat_all_reduce_seconds(link: str) -> float:
+    from scalebook.dist import costmodel
+
+    return costmodel.link_model(link).time("all_reduce", 350e9, 1024)
+
+
+def _largest_zero2_model(dp: int, budget: float) -> float:
+    """Parameters Psi with 2 Psi + 14 Psi / dp <= budget bytes."""
+    return budget / (2 + 14 / dp)
+
+
+def _young_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    return math.sqrt(2 * checkpoint_s * mtbf_s)
+
+
+def _young_lost_fraction(checkpoint_s: float, mtbf_s: float, restart_s: float) -> float:
+    """Share of time lost at Young's interval: writing, half an interval redone per failure, the restart."""
+    interval = _young_interval(checkpoint_s, mtbf_s)
+    return checkpoint_s / interval + (interval / 2) / mtbf_s + restart_s / mtbf_s
+
+
+@dataclass(frozen=True)
+class Claim:
+    """``template`` as printed on the page, with ``{}`` where ``value()`` goes, formatted by ``fmt``."""
+
+    question: int
+    template: str
+    value: object  # a callable returning the number, or a tuple of callables for several {}
+    fmt: str = "{:.0f}"
+
+    def phrase(self) -> str:
+        values = self.value if isinstance(self.value, tuple) else (self.value,)
+        return self.template.format(*(self.fmt.format(v()) for v in values))
+
+
+def _pct(x: float) -> float:
+    return 100 * x
+
+
+CLAIMS = (
+    Claim(1, "2.8 TB for 175B parameters, {} GPUs of 80 GB",
+          lambda: accounting.model_state_bytes(175e9).total / (80 * GB)),
+    Claim(1, "{} TB for 175B parameters", lambda: accounting.model_state_bytes(175e9).total / TB, "{:.1f}"),
+    Claim(1, "about {} years on one A100 at 160 TFLOP/s",
+          lambda: accounting.training_flops(175e9, 300e9) / 160e12 / (365 * SECONDS_PER_DAY)),
+    Claim(1, "{} GB of 16-bit numbers for GPT-3", lambda: 2 * 175e9 / GB),
+    Claim(2, "\\approx {}$ GPUs", lambda: accounting.devices_needed(175e9, 300e9, 30, 160e12, 1.0)),
+    Claim(2, "about {} A100s at 35 % MFU",
+          lambda: round(accounting.devices_needed(175e9, 300e9, 30, _a100_bf16(), 0.35), -2), "{:,.0f}"),
+    Claim(2, "an MFU of {} to {} %", (lambda: 44 * 3 / 4, lambda: 52 * 3 / 4)),
+    Claim(6, "GPT-2's embedding is {} % of its 124M parameters",
+          lambda: _pct(accounting.param_breakdown(configs.get_model("gpt2"))["token embedding"]
+                       / accounting.param_count(configs.get_model("gpt2")))),
+    Claim(6, "For Llama 3 8B the embedding and head are {} % of the parameters",
+          lambda: _pct(2 * 128256 * 4096 / accounting.param_count(configs.get_model("llama-3-8b")))),
+    Claim(12, "SwiGLU MLP holds about {} % of a large model",
+          lambda: _pct(accounting.param_breakdown(configs.get_model("llama-3-70b"))["MLP weights"]
+                       / accounting.param_count(configs.get_model("llama-3-70b")))),
+    Claim(14, "for GPT-2 the exact count is {}", lambda: accounting.param_count(configs.get_model("gpt2")), "{:,}"),
+    Claim(15, "{} % low for a 125M GPT-3",
+          lambda: _pct(1 - 12 * 12 * 768**2 / accounting.param_count(configs.get_model("gpt3-125m")))),
+    Claim(15, "only {} % for GPT-3 175B", lambda: _pct(1 - 12 * 96 * 12288**2 / accounting.param_count(_gpt3())),
+          "{:.1f}"),
+    Claim(17, "$16 \\times 7 \\times 10^9 = {}$ GB", lambda: accounting.model_state_bytes(7e9).total / GB),
+    Claim(17, "$4\\Psi + 12\\Psi/8 = {}$ GB",
+          lambda: accounting.model_state_bytes(7e9, zero_stage=1, dp=8).total / GB, "{:.1f}"),
+    Claim(18, "about {} tokens for GPT-3", lambda: round(34 * 12288 / (5 * 96), -1)),
+    Claim(18, "one 2,048-token sequence saves {} GB over its 96 layers",
+          lambda: accounting.activation_bytes(_gpt3(), seq_len=2048, micro_batch=1) / GB),
+    Claim(19, "per GPU: {} GB with no recomputation, {} GB selective, {} GB full",
+          (lambda: round(accounting.activation_bytes(_gpt3(), seq_len=2048, micro_batch=1, tp=8, sp=True) / GB),
+           lambda: round(accounting.activation_bytes(_gpt3(), seq_len=2048, micro_batch=1, tp=8, sp=True,
+                                                     recompute="selective") / GB),
+           lambda: round(accounting.activation_bytes(_gpt3(), seq_len=2048, micro_batch=1, tp=8, sp=True,
+                                                     recompute="full") / GB, 1)),
+          "{:g}"),
+    Claim(21, "For GPT-3 at 2,048 tokens that is only {} % more than $6N$",
+          lambda: _pct(accounting.flops_per_token(_gpt3(), seq_len=2048) / accounting.flops_per_token(_gpt3()) - 1)),
+    Claim(22, "\\approx {}\\,\\%$",
+          lambda: _pct(accounting.mfu(configs.get_model("llama-3-8b"), 8000, 1, _h100_bf16()))),
+    Claim(23, "as MFU they are about {} to {} %", (lambda: 44 * 3 / 4, lambda: 52 * 3 / 4)),
+    Claim(24, "so about {} GPUs",
+          lambda: accounting.devices_needed(configs.get_model("llama-3-8b"), 15e12, 30, _h100_bf16(), 0.4)),
+    Claim(25, "$N \\approx {}\\text{{B}}$ parameters",
+          lambda: math.sqrt(accounting.training_flops(175e9, 300e9) / 120) / 1e9),
+    Claim(29, "all-gather inside: about {} s instead of {} s",
+          (lambda: round(_hierarchical_all_reduce_seconds(), 1),
+           lambda: round(_flat_all_reduce_seconds("infiniband-hdr"))),
+          "{:g}"),
+    Claim(33, "For 7.5B on 64 GPUs: {}, {}, {} and {} GB",
+          tuple(lambda s=s: round(accounting.model_state_bytes(7.5e9, zero_stage=s, dp=64).total / GB, 1)
+                for s in range(4)), "{:g}"),
+    Claim(36, "gives $\\Psi \\le {}$ trillion", lambda: 40 * GB * 1024 / 16 / 1e12, "{:.2f}"),
+    Claim(36, "gives about {} billion", lambda: _largest_zero2_model(1024, 40 * GB) / 1e9),
+    Claim(38, "communication is about {} % of the layer's time at $t = 8$ on NVLink",
+          lambda: _pct(_tp_layer_share(8, "nvlink-4", 3e-6))),
+    Claim(38, "and about {} % at $t = 16$ across InfiniBand",
+          lambda: _pct(_tp_layer_share(16, "infiniband-ndr", 6e-6))),
+    Claim(41, "{} % for $p = 4$, $m = 8$", lambda: _pct(bubble_fraction(4, 8))),
+    Claim(43, "from {} % to {} % for $p = 4$, $m = 8$, $v = 2$",
+          (lambda: _pct(bubble_fraction(4, 8)), lambda: _pct(bubble_fraction(4, 8, virtual_stages=2)))),
+    Claim(44, "{} MB for GPT-3 at 2,048 tokens in bf16", lambda: 2048 * 12288 * 2 / 1e6),
+    Claim(47, "16M tokens of 8K sequences is {} sequences", lambda: 16 * 2**20 / 8192, "{:,.0f}"),
+    Claim(49, "\\approx {}$ s", lambda: _young_interval(30, 3 * 3600)),
+    Claim(49, "about {} % of the run", lambda: _pct(_young_lost_fraction(30, 3 * 3600, 300)), "{:.1f}"),
+)  # fmt: skip
+
+# Percentages on the page that quote a paper or state a rule of thumb rather than restate a result the
+# package computes; each with where it comes from.
+QUOTED_PERCENTAGES = {
+    "44 to 52 %": "Megatron-LM's published hardware FLOPs utilization (Narayanan et al. 2021)",
+    "38 to 43 %": "Llama 3.1 405B's published MFU (Grattafiori et al. 2024)",
+    "35 % MFU": "an assumed MFU, the input of the claim that follows it",
+    "40 % MFU": "an assumed MFU, the input of the question",
+    "50 % MFU": "an assumed MFU, the input of Chapter 12's layer timing",
+    "10 to 20 %": "headroom for temporary buffers, a rule of thumb",
+    "below 5 %": "the target of the bubble rule that follows it",
+}
+
+
+@pytest.mark.parametrize("claim", CLAIMS, ids=lambda c: f"Q{c.question}:{c.template[:40]}")
+def test_claim_matches_the_package(claim):
+    phrase = claim.phrase()
+    assert phrase in page_text(), (
+        f"interview question {claim.question}: the page should print {phrase!r} (computed by the package); "
+        "fix the page or the claim"
+    )
+
+
+def test_every_percentage_on_the_page_is_checked_or_quoted():
+    text = page_text()
+    covered = [c.phrase() for c in CLAIMS] + list(QUOTED_PERCENTAGES)
+    spans = [(m.start(), m.end()) for phrase in covered for m in re.finditer(re.escape(phrase), text)]
+    unchecked = []
+    for m in re.finditer(r"\d+(?:\.\d+)?\s?(?:\\,)?\\?%", text):
+        if not any(start <= m.start() and m.end() <= end for start, end in spans):
+            unchecked.append(text[max(0, m.start() - 60) : m.end() + 10])
+    assert not unchecked, "percentages with no claim in this file:\n" + "\n".join(unchecked)
+
