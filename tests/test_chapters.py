@@ -132,3 +132,48 @@ def test_the_check_accepts_a_complete_chapter_and_names_what_is_missing():
     unanswered = GOOD.replace(":::{admonition} Answer\n:class: dropdown\n(b)\n:::", "")
     assert problems(unanswered) == ["2 multiple-choice checks with 1 hidden answers (want at least 2)"]
     assert "no Summary section" in problems(GOOD.replace("## Summary\n\nIt works.", ""))
+
+
+NOTEBOOKS = sorted(REPO.glob("notebooks/*.ipynb"))
+
+
+def stderr_outputs(path: Path) -> list[str]:
+    """Every stderr stream a committed notebook shows, as 'cell N: first line'."""
+    found = []
+    for i, cell in enumerate(json.loads(path.read_text(encoding="utf8"))["cells"]):
+        for out in cell.get("outputs", []):
+            if out["output_type"] == "stream" and out["name"] == "stderr":
+                found.append(f"cell {i}: {''.join(out['text']).splitlines()[0][:120]}")
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_warning_reaches_the_reader(path):
+    """A cell's stderr (a library warning, a font fallback) is shown on the page: silence it at its source."""
+    assert not stderr_outputs(path)
+
+
+LECTURE_NOTES = re.compile(r"lecture notes|\bthe seeds\b|\bseeds'|seed lecture", re.I)
+LECTURE_NOTE_KEYS = ("xu2026transformer", "torres2025supercomputing")
+
+
+def uncited_lecture_notes(text: str) -> list[str]:
+    """Paragraphs that mention the lecture notes the book grew from without citing them (or call them seeds)."""
+    found = []
+    for paragraph in re.split(r"\n\s*\n", text):
+        for match in LECTURE_NOTES.finditer(paragraph):
+            if "seed" in match.group(0).lower() or not any(key in paragraph for key in LECTURE_NOTE_KEYS):
+                found.append(paragraph[max(0, match.start() - 60) : match.end() + 20].replace("\n", " "))
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_lecture_notes_are_cited_where_they_are_named(path):
+    assert not uncited_lecture_notes(markdown(path))
+
+
+def test_the_lecture_notes_check_catches_what_it_must():
+    assert uncited_lecture_notes("The seeds of this book put it as one line.")
+    assert uncited_lecture_notes("As the lecture notes say, 800 GPUs.")
+    assert not uncited_lecture_notes("As the lecture notes {footcite}`xu2026transformer` say, 800 GPUs.")
+    assert not uncited_lecture_notes("Two runs with different random seeds differ by noise.")
