@@ -1,4 +1,5 @@
-"""Ring attention on 2 and 4 ranks equals causal attention on one rank; zig-zag balances the causal work."""
+"""Ring attention on 2 and 4 ranks equals causal attention on one rank; zig-zag balances the causal work,
+and the ring really skips the half-chunk pairs that lie entirely in a query's future."""
 
 import math
 
@@ -34,12 +35,40 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not():
     assert context.unmasked_scores(8, 2, "zigzag") == [18, 18]
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+# Half-chunk pairs (query, key) each rank computes, counted by hand. cp = 4 cuts the sequence into 8 chunks.
+# Zig-zag rank r holds chunks r and 7 - r: chunk r sees chunks 0..r (r + 1 pairs), chunk 7 - r sees 0..7-r
+# (8 - r pairs): 9 on every rank, of 16 met. Contiguous rank r holds chunks 2r and 2r + 1: 3, 7, 11, 15.
+# Each query chunk meets its own key chunk once, the causal triangle: 2 diagonal pairs per rank.
+HAND_COUNTED = {
+    (1, "zigzag"): [3],  # one rank: chunks 0 and 1, pairs (0,0), (1,0), (1,1); (0,1) is in the future
+    (1, "contiguous"): [3],
+    (2, "zigzag"): [5, 5],
+    (2, "contiguous"): [3, 7],
+    (4, "zigzag"): [9, 9, 9, 9],
+    (4, "contiguous"): [3, 7, 11, 15],
+}
+
+
+def test_half_block_formula_matches_hand_counts():
+    for (cp, split), computed in HAND_COUNTED.items():
+        expected = [{"full": n - 2, "diagonal": 2, "skipped": 4 * cp - n} for n in computed]
+        assert context.half_blocks_per_rank(cp, split) == expected
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
 def test_ring_attention_output_and_gradients_equal_one_rank(cp):
     result = launch(context.compare_ring_attention, cp, seq_len=32, batch=1, heads=2, head_dim=8)[0]
     for split in context.SPLITS:
         errors = result[split]["errors"]
         assert max(errors.values()) < TOLERANCE, (split, errors)
+        # The pairs the ranks really computed (counted inside the ring loop), forward and backward alike.
+        for r, work in enumerate(result[split]["half_blocks"]):
+            for phase in ("forward", "backward"):
+                computed = work[phase]["full"] + work[phase]["diagonal"]
+                assert computed == HAND_COUNTED[cp, split][r], (split, r, phase, work)
+                assert work[phase]["diagonal"] == 2 and computed + work[phase]["skipped"] == 4 * cp
+        if cp == 1:
+            continue
         # Bytes counted by count_traffic against the block count: each block is 1 * 2 * (32/cp) * 8 floats.
         block = 2 * (32 // cp) * 8 * 4
         assert result[split]["forward"]["isend"][1] == 2 * (cp - 1) * block
@@ -61,5 +90,7 @@ def test_formulas_match_hand_counts():
 def test_bad_layout_raises_before_work():
     with pytest.raises(ValueError, match="divisible by 8"):
         context.validate_context_parallel(20, 4)
+    with pytest.raises(ValueError, match="divisible by 4"):  # half-chunks need 2 cp chunks for either split
+        context.validate_context_parallel(6, 2, "contiguous")
     with pytest.raises(ValueError, match="split must be one of"):
         context.token_positions(16, 2, 0, split="striped")

@@ -17,6 +17,13 @@ and the key/value gradients of each block travel with it and arrive home after o
 Causal masking unbalances a contiguous split: the rank with the last tokens attends to everything, the
 first to almost nothing. The zig-zag split cuts the sequence into 2 cp chunks and gives rank r chunks r
 and 2 cp - 1 - r, an early and a late one, so every rank computes the same number of unmasked scores.
+The balance is real only if a rank skips what the mask hides, so the ring works on half-chunks: each
+rank holds two of the 2 cp chunks, and at every step it meets two chunks of keys, four (query chunk,
+key chunk) pairs. A pair whose keys all lie in the queries' future is skipped, a pair whose keys all
+lie in their past is a plain block with no mask, and a chunk meeting itself is the causal triangle.
+Zig-zag then computes 2 cp + 1 of the 4 cp pairs on every rank; the contiguous split 4 r + 3 on rank r.
+Each step posts the send of the block it holds and the receive of the next before it computes, and
+waits after: the transfer runs while the block is computed.
 
 Source: Liu, Zaharia and Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
 Context"; Dao et al. 2022, "FlashAttention" (online softmax, Sec. 3.1, and its backward, Appendix B);
@@ -26,6 +33,7 @@ Tazi et al. 2025, "The Ultra-Scale Playbook", "Context parallelism" (zig-zag loa
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -48,10 +56,10 @@ def validate_context_parallel(seq_len: int, cp: int, split: str = "zigzag") -> N
     if split not in SPLITS:
         problems.append(f"split must be one of {SPLITS}, got {split!r}")
     if not problems:
-        chunks = 2 * cp if split == "zigzag" else cp
+        chunks = 2 * cp  # zig-zag deals out 2 cp chunks; ring attention works on half of each rank's share
         if seq_len % chunks:
             problems.append(
-                f"the {split} split cuts the sequence into {chunks} equal chunks, so seq_len ({seq_len}) must be "
+                f"ring attention cuts the sequence into {chunks} equal chunks, so seq_len ({seq_len}) must be "
                 f"divisible by {chunks}; use seq_len={max(chunks, seq_len // chunks * chunks)}"
             )
     if problems:
@@ -78,6 +86,18 @@ def unshard_sequence(pieces: list[torch.Tensor], *, dim: int = -2, split: str = 
     seq_len = sum(p.shape[dim] for p in pieces)
     order = torch.cat([token_positions(seq_len, cp, r, split) for r in range(cp)])
     return torch.cat(pieces, dim=dim).index_select(dim, torch.argsort(order))
+
+
+def half_blocks_per_rank(cp: int, split: str = "zigzag") -> list[dict[str, int]]:
+    """Per rank, the (query half-chunk, key half-chunk) pairs ring attention computes, in closed form.
+
+    A rank meets 2 x 2 pairs at each of cp steps, 4 cp in all; it computes those with a key at or before
+    a query. Zig-zag (chunks r and 2cp-1-r): (r + 1) + (2cp - r) = 2cp + 1 on every rank, two of them on
+    the diagonal. Contiguous (chunks 2r and 2r+1): (2r + 1) + (2r + 2) = 4r + 3, from 3 to 4cp - 1.
+    """
+    validate_context_parallel(2 * cp, cp, split)
+    computed = [2 * cp + 1 if split == "zigzag" else 4 * r + 3 for r in range(cp)]
+    return [{"full": n - 2, "diagonal": 2, "skipped": 4 * cp - n} for n in computed]
 
 
 def unmasked_scores(seq_len: int, cp: int, split: str = "zigzag") -> list[int]:
@@ -141,8 +161,12 @@ def _ring_peers(group) -> tuple[int, int, int, int]:
     return rank, size, global_rank((rank + 1) % size), global_rank((rank - 1) % size)
 
 
-def _pass_on(tensors: list[torch.Tensor], group, tag: int) -> list[torch.Tensor]:
-    """Send ``tensors`` to the next rank of the ring and receive the previous rank's (same shapes)."""
+def _start_pass(tensors: list[torch.Tensor], group, tag: int) -> tuple[list[torch.Tensor], list]:
+    """Start sending ``tensors`` to the next rank of the ring and receiving the previous rank's (same shapes).
+
+    Returns the receive buffers and the pending requests; the buffers are valid after :func:`_finish`.
+    Nothing waits here, so the caller computes while the blocks travel.
+    """
     _, _, next_rank, prev_rank = _ring_peers(group)
     received = [torch.empty_like(t) for t in tensors]
     works = []
@@ -150,95 +174,173 @@ def _pass_on(tensors: list[torch.Tensor], group, tag: int) -> list[torch.Tensor]
         # isend never blocks, so every rank can send before it receives without a deadlock.
         works.append(dist.isend(out.contiguous(), dst=next_rank, group=group, tag=tag + i))
         works.append(dist.irecv(into, src=prev_rank, group=group, tag=tag + i))
+    return received, works
+
+
+def _finish(works: list) -> None:
     for work in works:
         work.wait()
-    return received
 
 
-def _block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    return q_pos.unsqueeze(-1) >= k_pos.unsqueeze(0)  # causal: a query sees keys at or before it
+def _chunks_of(cp: int, rank: int, split: str) -> tuple[int, int]:
+    """The two chunks (of 2 cp equal chunks) a rank holds, in the order it holds them: r and 2cp-1-r
+    under zig-zag, 2r and 2r+1 (its one contiguous piece, cut in half) under the contiguous split."""
+    return (rank, 2 * cp - 1 - rank) if split == "zigzag" else (2 * rank, 2 * rank + 1)
+
+
+def _pair_kind(q_chunk: int, k_chunk: int) -> str:
+    """How a (query half-chunk, key half-chunk) pair is computed under the causal mask."""
+    if q_chunk > k_chunk:
+        return "full"  # every key is in the past: a plain, unmasked block
+    return "diagonal" if q_chunk == k_chunk else "skipped"  # same chunk: causal triangle; else all future
+
+
+def _block_scores(q: torch.Tensor, k: torch.Tensor, kind: str, scale: float) -> torch.Tensor:
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if kind == "diagonal":
+        n = q.shape[-2]
+        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+def _count(work: dict | None, phase: str, kind: str) -> None:
+    if work is not None:
+        counts = work.setdefault(phase, {"full": 0, "diagonal": 0, "skipped": 0})
+        counts[kind] += 1
+
+
+def _clock(work: dict | None, phase: str, start: float) -> None:
+    """Add the seconds since ``start`` to ``work["seconds"][phase]``: time spent computing, not waiting."""
+    if work is not None:
+        seconds = work.setdefault("seconds", {"forward": 0.0, "backward": 0.0})
+        seconds[phase] += time.perf_counter() - start
 
 
 class _RingAttention(torch.autograd.Function):
+    """Causal ring attention on half-chunk pairs. Each rank holds two half-chunks of queries, keys and
+    values; at every ring step it meets two half-chunks of keys and values, so four (query, key) pairs:
+    a pair entirely in the future is skipped, a pair entirely in the past is a plain block, and a pair
+    on the diagonal is the causal triangle. The next block's send and receive are posted before the
+    current block is computed and waited for after it."""
+
     @staticmethod
-    def forward(ctx, q, k, v, positions, group, split):
+    def forward(ctx, q, k, v, group, split, work):
         rank, cp, _, _ = _ring_peers(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        seq_len = positions.numel() * cp
-        m = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
-        total = torch.zeros(q.shape[:-1], dtype=q.dtype)  # the running sum of exponentials, l
-        acc = torch.zeros_like(q)
+        mine = _chunks_of(cp, rank, split)
+        q_halves = q.chunk(2, dim=-2)
+        # Per query half-chunk: running max m, running sum of exponentials l, running output o.
+        m = [torch.full(h.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device) for h in q_halves]
+        total = [torch.zeros(h.shape[:-1], dtype=q.dtype, device=q.device) for h in q_halves]
+        acc = [torch.zeros_like(h) for h in q_halves]
         block_k, block_v = k, v
         for step in range(cp):
-            owner = (rank - step) % cp
-            mask = _block_mask(positions, token_positions(seq_len, cp, owner, split))
-            if mask.any():  # a block entirely in this rank's future costs nothing
-                scores = (q @ block_k.transpose(-2, -1)) * scale
-                scores = scores.masked_fill(~mask, float("-inf"))
-                m_new = torch.maximum(m, scores.amax(dim=-1))
-                m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with no key yet
-                rescale = torch.exp(m - m_safe)
-                p = torch.exp(scores - m_safe.unsqueeze(-1))
-                total = total * rescale + p.sum(dim=-1)
-                acc = acc * rescale.unsqueeze(-1) + p @ block_v
-                m = m_new
-            if step < cp - 1:
-                block_k, block_v = _pass_on([block_k, block_v], group, tag=2 * step)
-        out = acc / total.unsqueeze(-1)
-        lse = m + torch.log(total)  # every query sees at least itself, so l > 0
+            pending = None
+            if step < cp - 1:  # the next block starts travelling before this one is computed
+                pending = _start_pass([block_k, block_v], group, tag=2 * step)
+            theirs = _chunks_of(cp, (rank - step) % cp, split)
+            start = time.perf_counter()
+            for k_half, v_half, k_chunk in zip(block_k.chunk(2, dim=-2), block_v.chunk(2, dim=-2), theirs,
+                                               strict=True):  # fmt: skip
+                for i, q_chunk in enumerate(mine):
+                    kind = _pair_kind(q_chunk, k_chunk)
+                    _count(work, "forward", kind)
+                    if kind == "skipped":
+                        continue
+                    scores = _block_scores(q_halves[i], k_half, kind, scale)
+                    # Every computed row has a key in its past (at least itself), so m_new is finite.
+                    m_new = torch.maximum(m[i], scores.amax(dim=-1))
+                    rescale = torch.exp(m[i] - m_new)
+                    p = torch.exp(scores - m_new.unsqueeze(-1))
+                    total[i] = total[i] * rescale + p.sum(dim=-1)
+                    acc[i] = acc[i] * rescale.unsqueeze(-1) + p @ v_half
+                    m[i] = m_new
+            _clock(work, "forward", start)
+            if pending is not None:
+                (block_k, block_v), works = pending
+                _finish(works)
+        out = torch.cat([a / t.unsqueeze(-1) for a, t in zip(acc, total, strict=True)], dim=-2)
+        lse = torch.cat([mi + torch.log(t) for mi, t in zip(m, total, strict=True)], dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.positions, ctx.group, ctx.split = positions, group, split
+        ctx.group, ctx.split, ctx.work = group, split, work
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        positions, group, split = ctx.positions, ctx.group, ctx.split
+        group, split, work = ctx.group, ctx.split, ctx.work
         rank, cp, _, _ = _ring_peers(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        seq_len = positions.numel() * cp
+        mine = _chunks_of(cp, rank, split)
+        q_halves, do_halves, lse_halves = q.chunk(2, dim=-2), grad_out.chunk(2, dim=-2), lse.chunk(2, dim=-1)
         # D_i = sum_d dO_id O_id: the softmax Jacobian's correction term, per query.
-        correction = (grad_out * out).sum(dim=-1, keepdim=True)
-        grad_q = torch.zeros_like(q)
+        correction = (grad_out * out).sum(dim=-1, keepdim=True).chunk(2, dim=-2)
+        grad_q = [torch.zeros_like(h) for h in q_halves]
         block_k, block_v = k, v
-        block_grad_k, block_grad_v = torch.zeros_like(k), torch.zeros_like(v)
+        incoming = None  # the K/V gradients of the block this rank holds, accumulated by the ranks before it
         for step in range(cp):
-            owner = (rank - step) % cp
-            mask = _block_mask(positions, token_positions(seq_len, cp, owner, split))
-            if mask.any():
-                scores = (q @ block_k.transpose(-2, -1)) * scale
-                p = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(~mask, 0.0)  # softmax, rebuilt
-                block_grad_v = block_grad_v + p.transpose(-2, -1) @ grad_out
-                grad_scores = p * (grad_out @ block_v.transpose(-2, -1) - correction)
-                grad_q = grad_q + grad_scores @ block_k * scale
-                block_grad_k = block_grad_k + grad_scores.transpose(-2, -1) @ q * scale
+            pending = None
             if step < cp - 1:
-                block_k, block_v, block_grad_k, block_grad_v = _pass_on(
-                    [block_k, block_v, block_grad_k, block_grad_v], group, tag=1000 + 4 * step
-                )
-        # One last hop brings each block's gradients home to the rank that owns the block.
-        grad_k, grad_v = _pass_on([block_grad_k, block_grad_v], group, tag=2000) if cp > 1 else (
-            block_grad_k, block_grad_v)  # fmt: skip
-        return grad_q, grad_k, grad_v, None, None, None
+                pending = _start_pass([block_k, block_v], group, tag=1000 + 2 * step)
+            theirs = _chunks_of(cp, (rank - step) % cp, split)
+            start = time.perf_counter()
+            part_k, part_v = [], []
+            for k_half, v_half, k_chunk in zip(block_k.chunk(2, dim=-2), block_v.chunk(2, dim=-2), theirs,
+                                               strict=True):  # fmt: skip
+                grad_k_half, grad_v_half = torch.zeros_like(k_half), torch.zeros_like(v_half)
+                for i, q_chunk in enumerate(mine):
+                    kind = _pair_kind(q_chunk, k_chunk)
+                    _count(work, "backward", kind)
+                    if kind == "skipped":
+                        continue
+                    p = torch.exp(_block_scores(q_halves[i], k_half, kind, scale) - lse_halves[i].unsqueeze(-1))
+                    grad_v_half += p.transpose(-2, -1) @ do_halves[i]
+                    grad_scores = p * (do_halves[i] @ v_half.transpose(-2, -1) - correction[i])
+                    grad_q[i] += grad_scores @ k_half * scale
+                    grad_k_half += grad_scores.transpose(-2, -1) @ q_halves[i] * scale
+                part_k.append(grad_k_half)
+                part_v.append(grad_v_half)
+            block_grad_k, block_grad_v = torch.cat(part_k, dim=-2), torch.cat(part_v, dim=-2)
+            _clock(work, "backward", start)
+            if incoming is not None:  # the earlier ranks' share of this block's gradients, sent last step
+                (earlier_k, earlier_v), works = incoming
+                _finish(works)
+                block_grad_k, block_grad_v = block_grad_k + earlier_k, block_grad_v + earlier_v
+            if cp > 1:
+                # On to the block's next holder; after the last step that is the block's owner: home.
+                incoming = _start_pass([block_grad_k, block_grad_v], group, tag=2000 + 2 * step)
+            if pending is not None:
+                (block_k, block_v), works = pending
+                _finish(works)
+        if cp > 1:
+            (grad_k, grad_v), works = incoming
+            _finish(works)
+        else:
+            grad_k, grad_v = block_grad_k, block_grad_v
+        return torch.cat(grad_q, dim=-2), grad_k, grad_v, None, None, None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, split: str = "zigzag"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, split: str = "zigzag", work: dict | None = None
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence, with K/V passed round ``group``.
 
     ``q``, ``k``, ``v`` are (b, heads, s/cp, d): this rank's tokens as :func:`shard_sequence` gives them
     under ``split``. Returns this rank's rows of softmax(Q K^T / sqrt(d) + M) V. Every rank of ``group``
-    must call it at the same time (forward and backward both communicate).
+    must call it at the same time (forward and backward both communicate). If ``work`` is a dict, the
+    (query half-chunk, key half-chunk) pairs this rank computes are counted into it, per pass and kind:
+    ``work["forward"] == {"full": .., "diagonal": .., "skipped": ..}``, the same for ``"backward"``, and
+    ``work["seconds"]`` adds up the time spent computing them (waits for blocks excluded).
     """
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    cp = dist.get_world_size(group)
     local = q.shape[-2]
     validate_context_parallel(local * cp, cp, split)
     if not (q.shape == k.shape == v.shape):
         raise ValueError(
             f"q, k and v must have the same (b, heads, s/cp, d) shape, got {q.shape}, {k.shape}, {v.shape}"
         )
-    return _RingAttention.apply(q, k, v, token_positions(local * cp, cp, rank, split), group, split)
+    return _RingAttention.apply(q, k, v, group, split, work)
 
 
 # ----------------------------------------------------------------------------------- measuring on ranks
@@ -252,6 +354,7 @@ def compare_ring_attention(
     head_dim: int = 16,
     splits: tuple[str, ...] = SPLITS,
     seed: int = 0,
+    timed_seq_len: int | None = None,
 ) -> dict[str, dict]:
     """On every rank of the default group (run it with :func:`scalebook.dist.launch`): ring attention
     against :func:`causal_attention` on the whole sequence, for each split in ``splits``.
@@ -259,7 +362,10 @@ def compare_ring_attention(
     Every rank draws the same Q, K, V and output gradient, computes the one-rank reference and ring
     attention on its own shard, gathers the shards and reports, per split, the largest deviations of the
     output and of the Q, K, V gradients, the calls and bytes this rank sent in the forward and backward
-    passes, the bytes saved for backward (ring and reference) and the unmasked scores of every rank.
+    passes, the bytes saved for backward (ring and reference), the half-chunk pairs every rank computed
+    and skipped (counted while it ran, gathered from all ranks) and the unmasked scores of every rank.
+    With ``timed_seq_len``, also every rank's seconds of computing in one forward and backward pass at
+    that length (machine-dependent).
     """
     rank, cp = dist.get_rank(), dist.get_world_size()
     for split in splits:
@@ -273,11 +379,14 @@ def compare_ring_attention(
     results = {}
     for split in splits:
         mine = [shard_sequence(t, cp, rank, split=split).requires_grad_() for t in (q, k, v)]
+        work = {}
         with count_traffic() as forward:
-            out = ring_attention(*mine, split=split)
+            out = ring_attention(*mine, split=split, work=work)
         with count_traffic() as backward:
             out.backward(shard_sequence(grad_out, cp, rank, split=split))
         ring_saved = measure.saved_by_call(lambda *t, split=split: ring_attention(*t, split=split), *mine).total
+        every_rank = [None] * cp
+        dist.all_gather_object(every_rank, work)
 
         def gathered(t: torch.Tensor, split: str = split) -> torch.Tensor:
             pieces = [torch.empty_like(t) for _ in range(cp)]
@@ -293,21 +402,47 @@ def compare_ring_attention(
             "backward": {op: (n, float(sent)) for op, (n, sent) in backward.by_op().items()},
             "ring_saved_bytes": ring_saved,
             "full_saved_bytes": full_saved,
+            "half_blocks": every_rank,
             "unmasked_scores": unmasked_scores(seq_len, cp, split),
         }
+        if timed_seq_len:
+            results[split]["seconds"] = _time_ring_attention(batch, heads, timed_seq_len, head_dim, split)
     return results
 
 
+def _time_ring_attention(batch: int, heads: int, seq_len: int, head_dim: int, split: str) -> list[float]:
+    """Every rank's seconds of computing (waits for blocks excluded) in one forward and backward pass, the
+    best of three."""
+    cp = dist.get_world_size()
+    validate_context_parallel(seq_len, cp, split)
+    shape = (batch, heads, seq_len // cp, head_dim)
+    q, k, v = (torch.randn(shape).requires_grad_() for _ in range(3))
+    best = float("inf")
+    for _ in range(3):
+        work = {}
+        ring_attention(q, k, v, split=split, work=work).sum().backward()
+        best = min(best, sum(work["seconds"].values()))
+    every_rank = [None] * cp
+    dist.all_gather_object(every_rank, best)
+    return every_rank
+
+
 def ring_attention_study(
-    cps: tuple[int, ...] = (2, 4), *, seq_len: int = 64, timeout: float = 300.0, **kwargs
-) -> dict[tuple[int, str], dict]:
+    cps: tuple[int, ...] = (2, 4), *, seq_len: int = 64, timed: dict[int, int] | None = None,
+    timeout: float = 300.0, **kwargs,
+) -> dict[tuple[int, str], dict]:  # fmt: skip
     """Check every layout, then run :func:`compare_ring_attention` on ``cp`` fresh ranks for each ``cp``
-    (one launch each). Returns rank 0's results keyed by ``(cp, split)``."""
+    (one launch each). ``timed`` maps a ``cp`` to a sequence length to time at. Returns rank 0's
+    results keyed by ``(cp, split)``."""
+    timed = timed or {}
     for cp in cps:
         for split in SPLITS:
             validate_context_parallel(seq_len, cp, split)
+            if cp in timed:
+                validate_context_parallel(timed[cp], cp, split)
     results = {}
     for cp in cps:
-        per_split = launch(compare_ring_attention, cp, seq_len=seq_len, timeout=timeout, **kwargs)[0]
+        per_split = launch(compare_ring_attention, cp, seq_len=seq_len, timed_seq_len=timed.get(cp),
+                           timeout=timeout, **kwargs)[0]  # fmt: skip
         results.update({(cp, split): r for split, r in per_split.items()})
     return results
