@@ -99,7 +99,9 @@ def test_gpt_config_kwargs_build_the_books_gpt_with_hf_gpt2s_parameter_count():
 def test_from_gpt_config_reads_a_gpt_config_back():
     cfg = configs.get_model("gpt2-medium")
     back = configs.ModelConfig.from_gpt_config(SimpleNamespace(**cfg.gpt_config_kwargs()), name="gpt2-medium")
-    assert dataclasses.replace(back, source=cfg.source, nominal_params=cfg.nominal_params) == cfg
+    # The published size and batch are not part of the shape a GPTConfig carries.
+    assert dataclasses.replace(back, source=cfg.source, nominal_params=cfg.nominal_params,
+                               batch_sequences=cfg.batch_sequences) == cfg
 
 
 def test_gpt_config_kwargs_refuse_a_llama():
@@ -204,3 +206,26 @@ def test_required_links_are_listed():
         "nvlink-3", "nvlink-4", "nvlink-5", "nvlink-6", "infiniband-hdr", "infiniband-ndr", "infiniband-xdr",
         "pcie-4-x16", "pcie-5-x16", "roce-400gbe",
     }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ published batch sizes
+
+
+def test_gpt3_batches_are_whole_sequences_of_2048():
+    # Brown et al. 2020, Table 2.1, batch in tokens: 0.5M, 0.5M, 0.5M, 1M, 1M, 2M, 2M, 3.2M.
+    gpt3_names = [name for name in configs.list_models() if name.startswith("gpt3")]
+    batches = {name: configs.get_model(name).batch_sequences for name in gpt3_names}
+    assert batches == {"gpt3-125m": 256, "gpt3-350m": 256, "gpt3-760m": 256, "gpt3-1.3b": 512, "gpt3-2.7b": 512,
+                       "gpt3-6.7b": 1024, "gpt3-13b": 1024, "gpt3-175b": 1536}  # fmt: skip
+    gpt3 = configs.get_model("gpt3-175b")
+    assert gpt3.batch_tokens == 1536 * 2048 == 3_145_728  # printed "3.2M" in the table
+    assert round(300e9 / gpt3.batch_tokens) == 95_367  # optimizer steps for 300B tokens (not 93,750)
+    assert configs.get_model("gpt3-125m").batch_tokens == 524_288  # "0.5M"
+
+
+def test_a_model_without_a_published_batch_says_so():
+    assert configs.get_model("llama-3-8b").batch_sequences is None
+    with pytest.raises(ValueError, match="no published batch size"):
+        _ = configs.get_model("llama-3-8b").batch_tokens
+    with pytest.raises(ValueError, match="batch_sequences must be a positive integer"):
+        configs.gpt_like("x", vocab_size=8, d_model=8, n_layers=1, n_heads=1, max_seq_len=8, batch_sequences=0)

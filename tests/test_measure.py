@@ -250,3 +250,45 @@ def test_peak_matmul_flops_is_a_plausible_rate():
 def test_bad_input_raises_one_value_error_that_says_what_to_change(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+# ------------------------------------------------------------------------- a Llama layer (Hugging Face)
+
+# (seq_len, micro_batch, d_model, n_heads, n_kv_heads, d_ff): grouped-query (4 and 2 query heads per
+# key/value head) and plain multi-head attention, SwiGLU widths that are not a multiple of h.
+LLAMA_SHAPES = [(64, 2, 128, 8, 2, 352), (32, 3, 64, 4, 4, 176), (128, 1, 128, 4, 2, 320)]
+
+
+def hf_llama_and_tokens(s, b, h, a, n_kv, d_ff, attn_implementation, n_layers=2):
+    """Hugging Face's LlamaForCausalLM built from a small LlamaConfig (nothing downloaded), and its config."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=h, intermediate_size=d_ff, num_hidden_layers=n_layers, num_attention_heads=a,
+        num_key_value_heads=n_kv, max_position_embeddings=256, attn_implementation=attn_implementation,
+    )  # fmt: skip
+    cfg = configs.llama_like("hf-llama", vocab_size=256, d_model=h, n_layers=n_layers, n_heads=a, n_kv_heads=n_kv,
+                             d_ff=d_ff, max_seq_len=256)  # fmt: skip
+    return transformers.LlamaForCausalLM(hf_cfg).train(), torch.randint(0, 256, (b, s)), cfg
+
+
+@pytest.mark.parametrize(("s", "b", "h", "a", "n_kv", "d_ff"), LLAMA_SHAPES)
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_a_hugging_face_llama_layer_saves_what_the_llama_formula_says(s, b, h, a, n_kv, d_ff, attn_implementation):
+    model, idx, cfg = hf_llama_and_tokens(s, b, h, a, n_kv, d_ff, attn_implementation)
+    saved = measure.saved_activation_bytes(model, (idx,), layers=model.model.layers)
+    attention = "fused" if attn_implementation == "sdpa" else "explicit"
+    formula = accounting.activation_bytes(cfg, seq_len=s, micro_batch=b, dtype_bytes=4, dropout=False,
+                                          attention=attention) // cfg.n_layers  # fmt: skip
+    # Counted by hand, fp32, per layer: the norm inputs, the QKV input, Q, the attention output and the
+    # MLP input (6 s b h); K and V (2 s b d_kv with GQA in the fused kernel, repeated to 2 s b h by the
+    # eager path); gate, up, SiLU output and product (4 s b d_ff); the eager path's a s^2 b softmax.
+    d_kv = n_kv * h // a
+    by_hand = 6 * s * b * h + (2 * s * b * d_kv if attention == "fused" else 2 * s * b * h + a * s * s * b)
+    assert formula == 4 * (by_hand + 4 * s * b * d_ff)
+    # What the formula leaves out, as for the GPT layer: each RMSNorm's 1/rms (s b values) and, in Hugging
+    # Face's unfused RMSNorm, the normalised input before the weight multiplies it (s b h); the fused
+    # kernel's log-sum-exp (a s b); the rotary tables cos and sin (s d_h each), saved once, by layer 0.
+    extras = 4 * (2 * (s * b + s * b * h) + (a * s * b if attention == "fused" else 0))
+    rope_tables = 4 * 2 * s * (h // a)
+    assert saved.per_layer == {"model.layers.0": formula + extras + rope_tables, "model.layers.1": formula + extras}

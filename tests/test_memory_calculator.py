@@ -24,8 +24,9 @@ def test_gpt3_175b_on_one_gpu_without_any_parallelism():
 def test_llama_405b_in_its_published_layout():
     # Grattafiori et al. 2024, Table 4: TP 8, PP 16, DP 128 for 8K sequences. With ZeRO-1, sequence
     # parallelism and selective recomputation, per GPU: 2 N / 128 bytes of bf16 weights and as many of
-    # gradients, 12 N / (128 * 128) of optimizer state, and per layer, without dropout,
-    # s b h / t * (4 * 2 + 12 * 2) = 32 s b h / t bytes of activations.
+    # gradients, 12 N / (128 * 128) of optimizer state, and per layer, without dropout, 16-bit and split
+    # by t: the norm inputs, QKV input, Q, attention output and MLP input (6 h), K and V (2 d_kv = 2048),
+    # the SwiGLU gate, up, SiLU output and product (4 d_ff = 4 * 53248): s b (12 h + 4 d_kv + 8 d_ff) / t.
     n = 405_853_388_800  # the published count (safetensors total), as in tests/test_accounting.py
     estimate = widgets.memory_per_gpu(
         "llama-3.1-405b", seq_len=8192, micro_batch=1, zero_stage=1, dp=128, tp=8, pp=16, sp=True,
@@ -35,7 +36,7 @@ def test_llama_405b_in_its_published_layout():
         "parameters": 2 * n // 128,
         "gradients": 2 * n // 128,
         "optimizer states": -(-12 * n // (128 * 128)),
-        "activations": 126 * 8192 * 16384 // 8 * 32,
+        "activations": 126 * 8192 * (12 * 16384 + 4 * 1024 + 8 * 53248) // 8,
     }
 
 
@@ -72,3 +73,20 @@ def test_the_panel_recomputes_when_a_control_changes():
     assert f"{expected.total / GB:,.1f} GB" in result.value
     controls["tp"].value = 64  # does not divide 96 heads: the panel shows the error, it does not raise
     assert "Not a valid layout" in result.value and "must divide n_heads" in result.value
+
+
+def test_fused_attention_drops_the_score_term():
+    explicit = widgets.memory_per_gpu("gpt3-175b", seq_len=2048)
+    fused = widgets.memory_per_gpu("gpt3-175b", seq_len=2048, attention="fused")
+    # Korthikanti et al.'s 5 a s / h term, 96 layers: 5 a s^2 b bytes each.
+    assert dict(explicit.rows)["activations"] - dict(fused.rows)["activations"] == 96 * 5 * 96 * 2048**2
+
+
+def test_the_panel_has_an_attention_control():
+    pytest.importorskip("ipywidgets")
+    grid, result = widgets.memory_calculator(model="llama-3-8b").children
+    controls = {control.description: control for control in grid.children}
+    controls["sequence"].value = 8192
+    controls["attention"].value = "fused"
+    assert result.value == widgets.memory_estimate_html(
+        widgets.memory_per_gpu("llama-3-8b", seq_len=8192, attention="fused"))

@@ -4,7 +4,11 @@ Three registries, each a frozen dataclass per entry:
 
 - models (:class:`ModelConfig`): the GPT-2 family, the eight rows of GPT-3's Table 2.1, Llama 2 and
   Llama 3/3.1. ``nominal_params`` is the headline size the paper prints (``175e9``); the exact count
-  follows from the shape (``scalebook.accounting.param_count``).
+  follows from the shape (``scalebook.accounting.param_count``). ``batch_sequences`` is the pre-training
+  batch in sequences of ``max_seq_len`` tokens, where the paper gives it: GPT-3's Table 2.1 prints
+  tokens (0.5M, 1M, 2M, 3.2M), which are 256, 512, 1,024 and 1,536 sequences of 2,048; the last is
+  1,536 x 2,048 = 3,145,728 tokens, which the table prints as 3.2M, and Megatron-LM's GPT-3 175B recipe
+  (``examples/gpt3/train_gpt3_175b_distributed.sh``, ``--global-batch-size 1536``) uses the same.
 - accelerators (:class:`Hardware`): dense peak FLOP/s per dtype (no 2:4 sparsity), HBM capacity and
   bandwidth, and the intra-node link each GPU has.
 - links (:class:`Link`): NVLink generations, InfiniBand, PCIe, RoCE.
@@ -55,6 +59,7 @@ class ModelConfig:
     mlp: str
     source: str = "user-defined"
     nominal_params: float | None = None
+    batch_sequences: int | None = None  # the published pre-training batch, in sequences of max_seq_len
 
     def __post_init__(self):
         problems = []
@@ -78,6 +83,11 @@ class ModelConfig:
                 )
         if self.nominal_params is not None and not self.nominal_params > 0:
             problems.append(f"nominal_params must be positive, got {self.nominal_params!r}")
+        if self.batch_sequences is not None and (
+            not isinstance(self.batch_sequences, int) or isinstance(self.batch_sequences, bool)
+            or self.batch_sequences < 1
+        ):
+            problems.append(f"batch_sequences must be a positive integer or None, got {self.batch_sequences!r}")
         if problems:
             raise ValueError(f"invalid ModelConfig {self.name!r}: " + "; ".join(problems))
 
@@ -89,6 +99,13 @@ class ModelConfig:
     def d_kv(self) -> int:
         """Width of the key (and of the value) projection: n_kv_heads * d_head (d_model without GQA)."""
         return self.n_kv_heads * self.d_head
+
+    @property
+    def batch_tokens(self) -> int:
+        """Tokens per optimizer step of the published pre-training batch: batch_sequences * max_seq_len."""
+        if self.batch_sequences is None:
+            raise ValueError(f"{self.name!r} has no published batch size (batch_sequences is None)")
+        return self.batch_sequences * self.max_seq_len
 
     @property
     def learned_positions(self) -> bool:
@@ -136,6 +153,7 @@ def gpt_like(
     nominal_params: float | None = None,
     source: str = "user-defined",
     bias: bool = True,
+    batch_sequences: int | None = None,
 ) -> ModelConfig:
     """A GPT-2-layout model: learned positions, LayerNorm, 4x GELU MLP, biases, tied LM head."""
     return ModelConfig(
@@ -154,6 +172,7 @@ def gpt_like(
         mlp="gelu",
         source=source,
         nominal_params=nominal_params,
+        batch_sequences=batch_sequences,
     )
 
 
@@ -170,6 +189,7 @@ def llama_like(
     nominal_params: float | None = None,
     source: str = "user-defined",
     tied_embeddings: bool = False,
+    batch_sequences: int | None = None,
 ) -> ModelConfig:
     """A Llama-layout model: rotary positions, RMSNorm, SwiGLU MLP, no biases, untied LM head."""
     return ModelConfig(
@@ -188,16 +208,19 @@ def llama_like(
         mlp="swiglu",
         source=source,
         nominal_params=nominal_params,
+        batch_sequences=batch_sequences,
     )
 
 
 _GPT2 = (
-    "Radford et al. 2019, 'Language Models are Unsupervised Multitask Learners', Table 2 (headline size); "
+    "Radford et al. 2019, 'Language Models are Unsupervised Multitask Learners', Table 2 (headline size), "
+    "Sec. 2.3 (batch size 512); "
     "Hugging Face openai-community/{hf} config.json (n_embd, n_layer, n_head; n_positions 1024, "
     "vocab_size 50257)"
 )
 _GPT3 = (
-    "Brown et al. 2020, 'Language Models are Few-Shot Learners', Table 2.1 (n_ctx 2048 for every size); "
+    "Brown et al. 2020, 'Language Models are Few-Shot Learners', Table 2.1 (n_ctx 2048 for every size; batch "
+    "in tokens, here in whole sequences of 2048); "
     "same architecture and 50257-token BPE as GPT-2"
 )
 _LLAMA2 = (
@@ -211,32 +234,34 @@ _LLAMA3 = (
 
 _MODELS = (
     gpt_like("gpt2", vocab_size=50257, d_model=768, n_layers=12, n_heads=12, max_seq_len=1024,
-             nominal_params=117e6, source=_GPT2.format(hf="gpt2")),
+             nominal_params=117e6, source=_GPT2.format(hf="gpt2"), batch_sequences=512),
     gpt_like("gpt2-medium", vocab_size=50257, d_model=1024, n_layers=24, n_heads=16, max_seq_len=1024,
-             nominal_params=345e6, source=_GPT2.format(hf="gpt2-medium")),
+             nominal_params=345e6, source=_GPT2.format(hf="gpt2-medium"), batch_sequences=512),
     gpt_like("gpt2-large", vocab_size=50257, d_model=1280, n_layers=36, n_heads=20, max_seq_len=1024,
-             nominal_params=762e6, source=_GPT2.format(hf="gpt2-large")),
+             nominal_params=762e6, source=_GPT2.format(hf="gpt2-large"), batch_sequences=512),
     gpt_like("gpt2-xl", vocab_size=50257, d_model=1600, n_layers=48, n_heads=25, max_seq_len=1024,
-             nominal_params=1542e6, source=_GPT2.format(hf="gpt2-xl")),
+             nominal_params=1542e6, source=_GPT2.format(hf="gpt2-xl"), batch_sequences=512),
     gpt_like("gpt3-125m", vocab_size=50257, d_model=768, n_layers=12, n_heads=12, max_seq_len=2048,
-             nominal_params=125e6, source=_GPT3 + " (GPT-3 Small)"),
+             nominal_params=125e6, source=_GPT3 + " (GPT-3 Small)", batch_sequences=256),
     gpt_like("gpt3-350m", vocab_size=50257, d_model=1024, n_layers=24, n_heads=16, max_seq_len=2048,
-             nominal_params=350e6, source=_GPT3 + " (GPT-3 Medium)"),
+             nominal_params=350e6, source=_GPT3 + " (GPT-3 Medium)", batch_sequences=256),
     gpt_like("gpt3-760m", vocab_size=50257, d_model=1536, n_layers=24, n_heads=16, max_seq_len=2048,
-             nominal_params=760e6, source=_GPT3 + " (GPT-3 Large)"),
+             nominal_params=760e6, source=_GPT3 + " (GPT-3 Large)", batch_sequences=256),
     # Table 2.1 prints 24 heads of d_head 128 for GPT-3 XL, which cannot tile d_model 2048 (24 * 128 =
     # 3072); keeping d_model and d_head gives 16 heads, and d_model alone sets the 1.3B.
     gpt_like("gpt3-1.3b", vocab_size=50257, d_model=2048, n_layers=24, n_heads=16, max_seq_len=2048,
-             nominal_params=1.3e9, source=_GPT3 + " (GPT-3 XL; the table's 24 heads x 128 do not make 2048)"),
+             nominal_params=1.3e9, source=_GPT3 + " (GPT-3 XL; the table's 24 heads x 128 do not make 2048)",
+             batch_sequences=512),
     gpt_like("gpt3-2.7b", vocab_size=50257, d_model=2560, n_layers=32, n_heads=32, max_seq_len=2048,
-             nominal_params=2.7e9, source=_GPT3),
+             nominal_params=2.7e9, source=_GPT3, batch_sequences=512),
     gpt_like("gpt3-6.7b", vocab_size=50257, d_model=4096, n_layers=32, n_heads=32, max_seq_len=2048,
-             nominal_params=6.7e9, source=_GPT3),
+             nominal_params=6.7e9, source=_GPT3, batch_sequences=1024),
     # Table 2.1 prints d_model 5140 for 13B, but its 40 heads of d_head 128 make 5120.
     gpt_like("gpt3-13b", vocab_size=50257, d_model=5120, n_layers=40, n_heads=40, max_seq_len=2048,
-             nominal_params=13.0e9, source=_GPT3 + " (the table prints d_model 5140; 40 heads x 128 = 5120)"),
+             nominal_params=13.0e9, source=_GPT3 + " (the table prints d_model 5140; 40 heads x 128 = 5120)",
+             batch_sequences=1024),
     gpt_like("gpt3-175b", vocab_size=50257, d_model=12288, n_layers=96, n_heads=96, max_seq_len=2048,
-             nominal_params=175.0e9, source=_GPT3),
+             nominal_params=175.0e9, source=_GPT3, batch_sequences=1536),
     llama_like("llama-2-7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                d_ff=11008, max_seq_len=4096, nominal_params=7e9, source=_LLAMA2.format(hf="Llama-2-7b-hf")),
     llama_like("llama-2-13b", vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, n_kv_heads=40,

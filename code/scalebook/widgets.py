@@ -48,12 +48,14 @@ def memory_per_gpu(
     pp: int = 1,
     sp: bool = False,
     recompute: str = "none",
+    attention: str = "explicit",
     gpu: str = "h100-sxm",
 ) -> MemoryEstimate:
     """Model states plus activations on one GPU: ``accounting.model_state_bytes`` + ``activation_bytes``.
 
     Adam; activations are 16-bit unless ``precision="fp32"``; GPT-layout models keep Korthikanti et
-    al.'s dropout masks, Llama-layout models train without dropout. Pipeline parallelism divides the
+    al.'s dropout masks, Llama-layout models train without dropout; ``attention="fused"`` stores no
+    attention scores (FlashAttention). Pipeline parallelism divides the
     model states by ``pp`` but not the activations: under 1F1B the first stage holds L/pp layers for pp
     micro-batches in flight, as many bytes as all L layers of one micro-batch. Not counted: the logits
     and the loss, temporary buffers, and the allocator's fragmentation.
@@ -64,7 +66,7 @@ def memory_per_gpu(
         cfg, zero_stage=zero_stage, dp=dp, tp=tp, pp=pp, precision=precision, optimizer="adam"
     )
     activations = accounting.activation_bytes(
-        cfg, seq_len=seq_len, micro_batch=micro_batch, tp=tp, sp=sp, recompute=recompute,
+        cfg, seq_len=seq_len, micro_batch=micro_batch, tp=tp, sp=sp, recompute=recompute, attention=attention,
         dtype_bytes=4 if precision == "fp32" else 2, dropout=cfg.arch == "gpt",
     )  # fmt: skip
     rows = (
@@ -137,6 +139,7 @@ def memory_calculator(model: str = "gpt3-175b", gpu: str = "h100-sxm"):
         "seq_len": dropdown("sequence", [2**k for k in range(9, 18)], 2048),
         "micro_batch": dropdown("micro-batch", [1, 2, 4, 8, 16, 32], 1),
         "recompute": dropdown("recompute", accounting.RECOMPUTE, "none"),
+        "attention": dropdown("attention", accounting.ATTENTION, "explicit"),
         "zero_stage": dropdown("ZeRO stage", accounting.ZERO_STAGES, 0),
         "dp": dropdown("dp", _DEGREES, 1),
         "tp": dropdown("tp", _DEGREES[:8], 1),

@@ -5,12 +5,12 @@ FLOPs, how many days" instantly; ``scalebook.measure`` supplies the measured cou
 chapters check these numbers against.
 
     params   param_count, param_breakdown, param_count_closed_form
-    memory   model_state_bytes (ZeRO, mixed precision), activation_bytes (Korthikanti et al.)
+    memory   model_state_bytes (ZeRO, mixed precision), activation_bytes (Korthikanti et al., GPT and Llama layers)
     flops    flops_per_token, training_flops (6 N D), training_flops_with_attention (Narayanan et al.)
     time     mfu, training_days, devices_needed
     comm     bytes_sent_per_rank, alpha_beta_time, data_parallel_bytes_per_step,
              tensor_parallel_bytes_per_layer
-    pipeline bubble_fraction, peak_in_flight, p2p_bytes_per_step, balanced_partition
+    pipeline bubble_fraction, peak_in_flight, p2p_bytes_per_step, balanced_partition, stage_memory
 
 Source: Rajbhandari et al. 2020 (ZeRO); Korthikanti et al. 2022 (activation recomputation);
 Kaplan et al. 2020 and Narayanan et al. 2021 (FLOPs); Chowdhery et al. 2022 (MFU).
@@ -24,6 +24,7 @@ from scalebook.accounting.comm import (
 )
 from scalebook.accounting.flops import flops_per_token, training_flops, training_flops_with_attention
 from scalebook.accounting.memory import (
+    ATTENTION,
     OPTIMIZERS,
     PRECISIONS,
     RECOMPUTE,
@@ -37,6 +38,7 @@ from scalebook.accounting.pipeline import bubble_fraction
 from scalebook.accounting.time import devices_needed, mfu, training_days
 
 __all__ = [
+    "ATTENTION",
     "OPTIMIZERS",
     "PRECISIONS",
     "RECOMPUTE",

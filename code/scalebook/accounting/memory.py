@@ -20,7 +20,9 @@ ZeRO-DP over N_d data-parallel ranks removes the replication stage by stage (ZeR
 Tensor and pipeline parallelism split the model itself, so tp * pp divides every term.
 
 Activations saved per Transformer layer, 16-bit, sequence s, micro-batch b, width h, heads a, tensor
-parallel degree t (Korthikanti et al., Sec. 4 and Table 2):
+parallel degree t, in Korthikanti et al.'s bookkeeping (the tensors backward needs; a norm's per-token
+statistics and attention's per-row log-sum-exp are left out). For their GPT-3 layer (multi-head
+attention, 4h GELU MLP, dropout; Sec. 4 and Table 2):
 
     no parallelism                     s b h (34 + 5 a s / h)
     tensor parallel                    s b h (10 + 24 / t + 5 a s / (h t))
@@ -28,9 +30,22 @@ parallel degree t (Korthikanti et al., Sec. 4 and Table 2):
     selective recomputation            the 5 a s / h term is recomputed, not stored
     full recomputation                 only the layer input, 2 s b h (divided by t under SP)
 
+The same bookkeeping for any layer of width d_ff and key/value width d_kv, without dropout:
+
+    s b (12 h + 4 d_kv + m d_ff) + 2 a s^2 b,     m = 4 (GELU: its input and W2's input)
+                                                  m = 8 (SwiGLU: gate, up, SiLU output, their product)
+
+12 h: the two norm inputs, the QKV input, Q, the output projection's input, the MLP input. Explicit
+attention saves the a s^2 scores and, as Hugging Face's eager path and Megatron-LM's unfused one do,
+keeps K and V repeated to all a heads (d_kv -> h); fused attention (FlashAttention) and selective
+recomputation keep K and V at d_kv and no scores. A GPT layer (d_kv = h, d_ff = 4h) gives 32 s b h, and
+dropout adds its two 1-byte s b h masks: 34. Llama 3 8B's layer (d_kv = h/4, d_ff = 3.5h) is 41 s b h.
+
 Source: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models", Sec. 3 and Fig. 1; Tazi et al. 2025, "The Ultra-Scale Playbook", "Memory usage in
-Transformers"; Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models".
+Transformers"; Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models";
+Dao et al. 2022, "FlashAttention" (what a fused kernel keeps); Megatron-LM
+``megatron/core/transformer/dot_product_attention.py`` (K and V repeated per query group).
 """
 
 from __future__ import annotations
@@ -45,6 +60,7 @@ PRECISIONS = ("fp32", "mixed", "mixed-fp32-grads")
 OPTIMIZERS = ("adam", "sgd", "sgd-momentum")
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("explicit", "fused")
 
 # (row, bytes per parameter, kind); a kind is sharded over dp from ZeRO stage _SHARDED_FROM[kind] on.
 _MASTER = (("fp32 master parameters", 4, "optimizer"),)
@@ -125,28 +141,34 @@ def activation_bytes(
     tp: int = 1,
     sp: bool = False,
     recompute: str = "none",
+    attention: str = "explicit",
     dtype_bytes: int = 2,
     dropout: bool = True,
 ) -> int:
     """Activation bytes saved for the backward pass on one device, summed over all layers.
 
-    The constants are Korthikanti et al.'s for the GPT-3 layer (multi-head attention, 4h GELU MLP,
-    dropout); for a Llama-layout config (GQA, SwiGLU, no dropout) the result is that layer's estimate.
-    ``dropout=False`` removes the two 1-byte masks per s b h and the attention dropout's mask and
-    output, as for a model trained without dropout. Not counted: the embedding output, the final norm,
-    the logits and the loss. Under 1F1B pipeline parallelism the first stage holds L/p layers for p
-    micro-batches in flight, so this all-layer figure is also that stage's.
+    Exact, in Korthikanti et al.'s bookkeeping, for the GPT layout (LayerNorm, GELU MLP) and the Llama
+    layout (RMSNorm, grouped-query attention, SwiGLU MLP): the MLP and the key/value widths come from
+    ``cfg``. ``attention="fused"`` (FlashAttention) stores no scores, the bytes of selective
+    recomputation. ``dropout=False`` removes the two 1-byte masks per s b h and the attention dropout's
+    mask and output, as for a model trained without dropout. Not counted: the embedding output, the
+    final norm, the logits and the loss. Under 1F1B pipeline parallelism the first stage holds L/p
+    layers for p micro-batches in flight, so this all-layer figure is also that stage's.
     """
     _checks.require(
         _checks.model_config(cfg),
         _checks.positive_int(seq_len=seq_len, micro_batch=micro_batch, tp=tp, dtype_bytes=dtype_bytes),
         _checks.one_of("sp", sp, (False, True)),
         _checks.one_of("recompute", recompute, RECOMPUTE),
+        _checks.one_of("attention", attention, ATTENTION),
     )
     s, b, h, a, t = seq_len, micro_batch, cfg.d_model, cfg.n_heads, tp
     _checks.require(
         [] if a % t == 0 else [f"tp ({t}) must divide n_heads ({a}) of {cfg.name}; "
                                f"choose tp from {[d for d in range(1, a + 1) if a % d == 0]}"],
+        [] if a % t or cfg.n_kv_heads % t == 0 else [
+            f"tp ({t}) must divide n_kv_heads ({cfg.n_kv_heads}) of {cfg.name}, whose key/value heads it splits; "
+            f"choose tp from {[d for d in range(1, a + 1) if cfg.n_kv_heads % d == 0]}"],
         [] if not sp or s % t == 0 else [f"sequence parallelism splits the sequence over tp ranks: "
                                          f"seq_len ({s}) must be divisible by tp ({t})"],
     )  # fmt: skip
@@ -155,14 +177,20 @@ def activation_bytes(
         # Only each layer's input is kept: 2 s b h (16-bit), / t with SP.
         return cfg.n_layers * seq_shard * b * h * dtype_bytes
     mask = 1 if dropout else 0
-    # Replicated across TP ranks: two LayerNorm inputs, the QKV input and the MLP input (4 s b h
+    # Replicated across TP ranks: the two norm inputs, the QKV input and the MLP input (4 s b h
     # elements), plus the dropout masks after attention and after the MLP (1 byte each): 10 s b h at 16 bit.
     replicated = seq_shard * b * h * (4 * dtype_bytes + 2 * mask)
-    # Split by TP: Q, K, V and the output-projection input (4 s b h), the GELU input and the second
-    # linear's input (4 s b h each): 12 s b h elements, 24 s b h / t bytes at 16 bit.
-    split = s * b * (h // t) * 12 * dtype_bytes
-    # Attention scores per head: softmax output, dropout mask (1 byte) and dropout output:
-    # 5 a s^2 b / t bytes at 16 bit. Selective recomputation recomputes them instead.
+    # Split by TP: Q and the output projection's input (2 s b h), K and V (2 s b d_kv; explicit attention
+    # keeps them repeated to all heads, 2 s b h), and the MLP's hidden tensors, m s b d_ff: GELU keeps
+    # its input and the second linear's input (m = 2), SwiGLU the gate and up outputs, the SiLU output
+    # and the product (m = 4). GPT: 12 s b h elements, 24 s b h / t bytes at 16 bit.
+    scores_kept = attention == "explicit" and recompute == "none"
+    kv_width = h if scores_kept else cfg.d_kv
+    mlp_tensors = 4 if cfg.mlp == "swiglu" else 2
+    d_ff_shard = -(-cfg.d_ff // t)  # the largest shard
+    split = s * b * (2 * (h // t) + 2 * (kv_width // t) + mlp_tensors * d_ff_shard) * dtype_bytes
+    # Attention scores per head: softmax output, dropout mask (1 byte) and dropout output: 5 a s^2 b / t
+    # bytes at 16 bit. Fused attention never stores them; selective recomputation recomputes them.
     bytes_per_score = dtype_bytes + mask * (1 + dtype_bytes)
-    scores = 0 if recompute == "selective" else (a // t) * s * s * b * bytes_per_score
+    scores = (a // t) * s * s * b * bytes_per_score if scores_kept else 0
     return cfg.n_layers * (replicated + split + scores)

@@ -23,6 +23,11 @@ alternates, so rank r holds at most min(2 (P - r - 1) + (v - 1) P + 1, v M) chun
 Between neighbouring stages each micro-batch crosses once forward (its activations, b s h values) and
 once backward (their gradient, the same shape); with v chunks per rank there are v P - 1 boundaries.
 
+What a stage's GPU holds is its own model states (its layers' parameters, the embedding on the first
+stage and the output layer on the last) plus the activations of its layers for the micro-batches it has
+in flight. Under 1F1B stage r holds P - r of them, so with uneven stages the busiest GPU is not always the
+first: ``stage_memory`` sums the two for every stage of a partition.
+
 Source: Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline
 Parallelism", Sec. 2.2; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM", Sec. 2.2.1 (1F1B bubble and memory), Sec. 2.2.2 (interleaved schedule);
@@ -33,10 +38,12 @@ balance with the embedding and the output layer).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from numbers import Real
 
 from scalebook.accounting import _checks
-from scalebook.accounting.params import layer_matmul_weights
+from scalebook.accounting.memory import activation_bytes, model_state_bytes
+from scalebook.accounting.params import layer_matmul_weights, param_count
 from scalebook.configs import ModelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -190,3 +197,71 @@ def balanced_partition(costs: Sequence[float], n_stages: int) -> list[range]:
         bounds.append(range(cut[k][i], i))
         i = cut[k][i]
     return bounds[::-1]
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes one pipeline stage's GPU holds: its model states and the activations of its micro-batches."""
+
+    layers: range  # the model's layers this stage runs, 0-based
+    in_flight: int  # micro-batches whose activations the stage holds at its peak
+    states: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.states + self.activations
+
+
+def stage_memory(
+    cfg: ModelConfig,
+    partition: Sequence[range],
+    *,
+    seq_len: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    micro_batch: int = 1,
+    tp: int = 1,
+    dp: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
+    attention: str = "explicit",
+    dropout: bool = True,
+    zero_stage: int = 0,
+    precision: str = "mixed",
+) -> list[StageMemory]:
+    """Model states plus activations on each stage's GPU, for a partition of the layers (Adam).
+
+    ``partition`` is :func:`balanced_partition`'s list of layer ranges. A stage's parameters are its
+    pieces in :func:`layer_costs`, so the first stage holds the embedding and the last the output layer
+    (its own copy of a tied one; one stage alone holds the model once). Its activations are
+    :func:`scalebook.accounting.activation_bytes` per layer, times its layers, times
+    :func:`peak_in_flight` micro-batches; as there, the embedding output and the logits are not counted.
+    """
+    _checks.require(
+        _checks.model_config(cfg),
+        _checks.one_of("schedule", schedule, ("gpipe", "1f1b")),
+        _checks.positive_int(microbatches=microbatches),
+    )
+    L = cfg.n_layers
+    if not partition or [i for r in partition for i in r] != list(range(L)) or any(len(r) == 0 for r in partition):
+        raise ValueError(f"partition must split the {L} layers of {cfg.name} into contiguous, non-empty ranges "
+                         f"in order, as balanced_partition returns them")  # fmt: skip
+    pp = len(partition)
+    per_layer = activation_bytes(
+        cfg, seq_len=seq_len, micro_batch=micro_batch, tp=tp, sp=sp, recompute=recompute, attention=attention,
+        dropout=dropout,
+    ) // L  # fmt: skip
+    costs = layer_costs(cfg, by="params")
+    stages = []
+    for rank, layers in enumerate(partition):
+        if pp == 1:
+            params = param_count(cfg)
+        else:
+            params = int(sum(costs[1 + i] for i in layers))
+            params += int(costs[0]) if rank == 0 else 0
+            params += int(costs[-1]) if rank == pp - 1 else 0
+        states = model_state_bytes(params, zero_stage=zero_stage, dp=dp, tp=tp, precision=precision).total
+        in_flight = peak_in_flight(schedule, pp, microbatches, rank)
+        stages.append(StageMemory(layers, in_flight, states, per_layer * len(layers) * in_flight))
+    return stages
