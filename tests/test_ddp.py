@@ -1,6 +1,7 @@
 """DDP from scratch: every version trains exactly like torch DDP and like one process on the global batch."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -41,8 +42,13 @@ def every_version():
     for dtype_name, dtype in DTYPES.items():
         for version in VERSIONS:
             results[version, dtype_name] = train_data_parallel(
-                version, MINI, TRAIN, bucket_cap_mb=CAP_MB, dtype=dtype, keep_params=True
+                version, MINI, TRAIN, bucket_cap_mb=CAP_MB, dtype=dtype, keep_params=True, keep_grads=True
             )
+    # The same runs over the book's ring all-reduce (Chapter 9), built from isend/irecv: bytes really sent.
+    for version in VERSIONS:
+        results[version, "ring"] = train_data_parallel(
+            version, MINI, replace(TRAIN, steps=2), bucket_cap_mb=CAP_MB, keep_grads=True, all_reduce="ring"
+        )
     # Accumulation: 2 micro-batches per rank, the first under no_sync().
     accumulate = TrainConfig(steps=5, batch_size=2, grad_accum=2, seq_len=64, warmup_steps=2, progress=False)
     results["accumulate"] = train_data_parallel(
@@ -86,6 +92,22 @@ def single_process(dtype, batch_size, grad_accum):
     return result.losses, {name: p.detach() for name, p in model.named_parameters()}
 
 
+def single_process_gradients(dtype, n):
+    """The gradient of the mean loss over the whole global batch of the first step (2n sequences), computed
+    by one process in one forward and backward, from the weights every replica starts with (rank 0's)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(TRAIN.seed)
+        model = GPT(MINI).to(dtype)
+        x, y = data.get_batch(data.tokenize(data.default_corpus()), TRAIN.batch_size * n, TRAIN.seq_len,
+                              torch.Generator().manual_seed(TRAIN.seed))  # fmt: skip
+        model(x, y)[1].backward()
+    finally:
+        torch.set_num_threads(threads)
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
 def max_param_diff(a, b):
     return max((a[name].double() - b[name].double()).abs().max().item() for name in b)
 
@@ -109,6 +131,44 @@ def test_every_version_matches_single_process_on_the_global_batch(ranks, dtype_n
         run = results[0][version, dtype_name]
         assert max(abs(a - b) for a, b in zip(run["losses"], losses, strict=True)) <= LOSS_TOL, version
         assert max_param_diff(run["params"], params) <= PARAM_TOL[dtype_name], version
+
+
+# The gradient before clipping and AdamW: a wrong scale (say a sum instead of a mean, x n) shows here at full
+# size, where AdamW's scale invariance and clipping would hide it in the weights. Each replica's averaged
+# gradient and the one-process gradient differ only in rounding: the order of the sums over sequences and
+# ranks, and one thread count against another. Measured worst case over all versions and ranks, relative
+# to the largest element of the whole gradient: 1.2e-7 in fp32 and 3.4e-16 in fp64 (at 4 ranks); the
+# tolerances leave a factor of 8 and 30. A missing 1/n is an error of n - 1 = 1 or 3 in those units.
+GRAD_RTOL = {"fp32": 1e-6, "fp64": 1e-14}
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_every_version_averages_gradients_like_one_process_on_the_global_batch(ranks, dtype_name):
+    n, results = ranks
+    expected = single_process_gradients(DTYPES[dtype_name], n)
+    scale = max(g.abs().max().item() for g in expected.values())
+    worst = {}
+    for version in VERSIONS:
+        for rank in range(n):
+            got = results[rank][version, dtype_name]["grads"]
+            assert got.keys() == expected.keys()
+            worst[version, rank] = max_param_diff(got, expected) / scale
+    assert all(w <= GRAD_RTOL[dtype_name] for w in worst.values()), worst
+
+
+def test_ddp_over_the_from_scratch_ring_sends_the_formula_bytes_at_its_isend_calls(ranks):
+    n, results = ranks
+    grad_bytes = 4 * GPT(MINI).num_parameters()
+    for version in VERSIONS:
+        per_rank = [results[rank][version, "ring"]["bytes_sent"] for rank in range(n)]
+        for step in range(2):
+            sent = [per_rank[rank][step] for rank in range(n)]
+            # Each element leaves n - 1 ranks in the reduce-scatter and n - 1 in the all-gather: 2 (n - 1) M
+            # in all, 2 (n - 1) / n M per rank on average (uneven chunks make single ranks differ a little).
+            assert sum(sent) == 2 * (n - 1) * grad_bytes, (version, step, sent)
+            assert all(0 < b < 2 * grad_bytes for b in sent)
+        # The ring adds in gloo's order (Chapter 9), so the averaged gradient is the same, bit for bit.
+        assert max_param_diff(results[0][version, "ring"]["grads"], results[0][version, "fp32"]["grads"]) == 0.0
 
 
 def test_replicas_stay_bit_identical_across_ranks(ranks):
@@ -175,6 +235,22 @@ def test_sync_gradients_refuses_after_a_backward_inside_no_sync(ranks):
     assert "0 of 7 buckets were sent" in results[0]["sync_after_no_sync"]
 
 
+@pytest.mark.parametrize("comm_heavy", [False, True], ids=["compute-bound", "link-bound"])
+def test_predicted_overlap_matches_a_bucket_by_bucket_simulation(comm_heavy):
+    gpt2 = configs.get_model("gpt2")
+    peak = configs.get_hardware("h100-sxm").peak("bf16")
+    bandwidth = 5e9 if comm_heavy else 450e9  # a slow link makes the all-reduces outlast backward
+    got = predicted_step_time(gpt2, 4 * 1024, 8, seq_len=1024, peak_flops=peak, mfu=0.4, bandwidth=bandwidth,
+                              alpha=5e-6, bucket_cap_mb=10)  # fmt: skip
+    k = math.ceil(4 * 124_439_808 / (10 * MIB))
+    link_free = 0.0
+    for i in range(k):
+        ready = got["compute"] / 3 + (i + 1) * (2 * got["compute"] / 3) / k
+        link_free = max(ready, link_free) + got["comm"] / k
+    assert got["overlapped"] == pytest.approx(link_free, rel=1e-12)
+    assert (got["comm"] > 2 * got["compute"] / 3) == comm_heavy
+
+
 def test_bad_bucket_cap_raises_before_any_communication():
     with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):
         BucketedDDP(GPT(MINI), bucket_cap_mb=0)
@@ -205,7 +281,15 @@ def test_predicted_step_time_by_hand_for_gpt2_on_8_h100():
     assert got["compute"] == pytest.approx(compute, rel=1e-12)
     assert got["comm"] == pytest.approx(comm, rel=1e-12)
     assert got["serial"] == pytest.approx(compute + comm, rel=1e-12)
-    assert got["overlapped"] == pytest.approx(compute / 3 + max(2 * compute / 3, comm), rel=1e-12)
+    # Overlap, simulated bucket by bucket: buckets complete at an even pace during backward (2/3 of the
+    # compute); one all-reduce at a time, each starting when its bucket is complete and the link is free.
+    link_free = 0.0
+    for i in range(buckets):
+        ready = compute / 3 + (i + 1) * (2 * compute / 3) / buckets
+        link_free = max(ready, link_free) + comm / buckets
+    assert got["overlapped"] == pytest.approx(link_free, rel=1e-12)
+    # The last bucket is complete only when backward ends: its all-reduce is never hidden.
+    assert got["overlapped"] >= compute + comm / buckets
     single = predicted_step_time(gpt2, tokens, 1, seq_len=1024, peak_flops=peak, mfu=0.4, bandwidth=bandwidth,
                                  alpha=5e-6)  # fmt: skip
     assert single["comm"] == 0.0 and single["serial"] == single["overlapped"] == pytest.approx(compute)

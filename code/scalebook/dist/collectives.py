@@ -57,7 +57,7 @@ def ring_chunk_sizes(numel: int, n: int, element_size: int = 4) -> list[int]:
 
 def _offsets(sizes: list[int]) -> list[tuple[int, int]]:
     starts = [sum(sizes[:c]) for c in range(len(sizes))]
-    return [(start, start + size) for start, size in zip(starts, sizes)]
+    return [(start, start + size) for start, size in zip(starts, sizes, strict=True)]
 
 
 def _check_tensor(tensor) -> None:

@@ -56,6 +56,7 @@ from scalebook.accounting.flops import training_flops_with_attention
 from scalebook.accounting.params import param_count
 from scalebook.configs import ModelConfig
 from scalebook.data import default_corpus, get_batch, tokenize
+from scalebook.dist.collectives import ALL_REDUCES
 from scalebook.dist.traffic import count_traffic
 from scalebook.model import GPT, GPTConfig
 from scalebook.train import TrainConfig, lr_at, make_optimizer
@@ -96,9 +97,14 @@ def broadcast_from_rank0(module: nn.Module, process_group=None) -> None:
 
 
 class DataParallel(nn.Module):
-    """What the three versions share: hold the module, broadcast rank 0's weights, ``no_sync()``."""
+    """What the three versions share: hold the module, broadcast rank 0's weights, ``no_sync()``.
 
-    def __init__(self, module: nn.Module, process_group=None):
+    ``all_reduce`` is the collective that sums the gradients: ``None`` for the library's
+    ``dist.all_reduce``, or a from-scratch one such as ``scalebook.dist.collectives.ring_all_reduce``
+    (called as ``all_reduce(tensor, group)``, blocking), whose every ``isend`` ``count_traffic`` sees.
+    """
+
+    def __init__(self, module: nn.Module, process_group=None, *, all_reduce: Callable | None = None):
         if not dist.is_initialized():
             raise ValueError(
                 "no process group: run under scalebook.dist.launch or torchrun, after dist.init_process_group"
@@ -108,6 +114,7 @@ class DataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.process_group = process_group
+        self.all_reduce = all_reduce
         self.world_size = dist.get_world_size(process_group)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.names = {p: name for name, p in module.named_parameters()}
@@ -140,9 +147,16 @@ class DataParallel(nn.Module):
         return p.grad
 
     def _all_reduce(self, tensor: torch.Tensor, detail: str, *, async_op: bool = False):
-        """Sum ``tensor`` over the ranks in place; with ``async_op`` return at once with the work handle."""
+        """Sum ``tensor`` over the ranks in place; with ``async_op`` return at once with the work handle.
+
+        A from-scratch ``all_reduce`` is blocking: it has finished on return, and its handle is a done future.
+        """
         span = Span("all-reduce", time.perf_counter(), detail=detail)
-        work = dist.all_reduce(tensor, group=self.process_group, async_op=async_op)
+        if self.all_reduce is not None:
+            self.all_reduce(tensor, self.process_group)
+            work, async_op = done_future(tensor), False
+        else:
+            work = dist.all_reduce(tensor, group=self.process_group, async_op=async_op)
         if self.spans is not None:
             self.spans.append(span)
             if async_op:
@@ -150,6 +164,13 @@ class DataParallel(nn.Module):
             else:
                 span.end = time.perf_counter()
         return work
+
+
+def done_future(value) -> torch.futures.Future:
+    """A future that has already completed with ``value`` (what a blocking all-reduce hands back)."""
+    future = torch.futures.Future()
+    future.set_result(value)
+    return future
 
 
 class AllReduceDDP(DataParallel):
@@ -203,7 +224,14 @@ class Bucket:
 class BucketedDDP(DataParallel):
     """Version 2: after backward, copy the gradients into buckets and all-reduce bucket by bucket."""
 
-    def __init__(self, module: nn.Module, process_group=None, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group=None,
+        *,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        all_reduce: Callable | None = None,
+    ):
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
             raise ValueError(
                 f"bucket_cap_mb must be a positive number of MiB (torch's default is 25), got {bucket_cap_mb!r}"
@@ -214,7 +242,7 @@ class BucketedDDP(DataParallel):
                 f"parameters of several dtypes/devices {sorted(map(str, kinds))} cannot share a "
                 "flat bucket; move the model to one device and dtype first"
             )
-        super().__init__(module, process_group)
+        super().__init__(module, process_group, all_reduce=all_reduce)
         self.buckets = [Bucket(i, ps) for i, ps in enumerate(assign_buckets(self.params, int(bucket_cap_mb * MIB)))]
 
     def sync_gradients(self) -> None:
@@ -230,8 +258,15 @@ class BucketedDDP(DataParallel):
 class OverlappedDDP(BucketedDDP):
     """Version 3: each bucket's all-reduce starts during backward, the moment its last gradient is ready."""
 
-    def __init__(self, module: nn.Module, process_group=None, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB):
-        super().__init__(module, process_group, bucket_cap_mb=bucket_cap_mb)
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group=None,
+        *,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        all_reduce: Callable | None = None,
+    ):
+        super().__init__(module, process_group, bucket_cap_mb=bucket_cap_mb, all_reduce=all_reduce)
         self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
         self.next_bucket = 0  # buckets launch in index order on every rank, so the collectives match up
         for p in self.params:
@@ -283,6 +318,7 @@ class TorchDDPProbe:
     names: dict[int, str]  # id(parameter) -> name
     spans: list[Span] = field(default_factory=list)
     buckets: dict[int, list[str]] = field(default_factory=dict)  # bucket index -> parameter names
+    all_reduce: Callable | None = None  # a blocking from-scratch all-reduce instead of dist.all_reduce
 
 
 def probed_allreduce_hook(probe: TorchDDPProbe, bucket):
@@ -295,6 +331,10 @@ def probed_allreduce_hook(probe: TorchDDPProbe, bucket):
     span = Span("all-reduce", time.perf_counter(), detail=f"bucket {bucket.index()}")
     probe.spans.append(span)
     tensor = bucket.buffer().div_(dist.get_world_size())
+    if probe.all_reduce is not None:
+        probe.all_reduce(tensor, None)
+        span.end = time.perf_counter()
+        return done_future(tensor)
 
     def done(future):
         span.end = time.perf_counter()
@@ -316,7 +356,10 @@ class DataParallelRun:
     ``dtype``, trained on ``tokens`` (the default corpus, byte-level, if None). Each replica is initialised
     from a different seed (``seed + rank``): only the broadcast from rank 0 makes them equal. With
     ``probe``, all-reduces are recorded as :class:`Span` objects (for torch DDP through
-    :func:`probed_allreduce_hook`).
+    :func:`probed_allreduce_hook`). ``all_reduce`` is ``"library"`` (``dist.all_reduce``) or one of the
+    from-scratch all-reduces of :mod:`scalebook.dist.collectives` (``"ring"``, ``"tree"``, ``"naive"``), for
+    every version. With ``record_grads``, each step keeps in ``grads`` the gradients the optimizer receives,
+    before clipping.
     """
 
     def __init__(
@@ -329,9 +372,13 @@ class DataParallelRun:
         tokens: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float32,
         probe: bool = False,
+        all_reduce: str = "library",
+        record_grads: bool = False,
     ):
         if version not in (*VERSIONS, *REFERENCES):
             raise ValueError(f"version must be one of {(*VERSIONS, *REFERENCES)}, got {version!r}")
+        if all_reduce != "library" and all_reduce not in ALL_REDUCES:
+            raise ValueError(f"all_reduce must be 'library' or one of {sorted(ALL_REDUCES)}, got {all_reduce!r}")
         if train_config.seq_len > model_config.block_size:
             raise ValueError(f"seq_len {train_config.seq_len} exceeds block_size {model_config.block_size}")
         if version != "single" and not dist.is_initialized():
@@ -343,16 +390,19 @@ class DataParallelRun:
         self.model = GPT(model_config).to(dtype)
         self.spans: list[Span] = []
         self.probe = None
+        self.record_grads, self.grads = record_grads, {}
+        from_scratch = ALL_REDUCES.get(all_reduce)  # None: the library's dist.all_reduce
         if version == "torch":
             self.wrapped = DistributedDataParallel(self.model, bucket_cap_mb=bucket_cap_mb)
-            if probe:
-                self.probe = TorchDDPProbe({id(p): n for n, p in self.model.named_parameters()}, self.spans)
+            if probe or from_scratch is not None:
+                self.probe = TorchDDPProbe({id(p): n for n, p in self.model.named_parameters()}, self.spans,
+                                           all_reduce=from_scratch)  # fmt: skip
                 self.wrapped.register_comm_hook(self.probe, probed_allreduce_hook)
         elif version == "single":
             self.wrapped = self.model
         else:
             kwargs = {} if version == "allreduce" else {"bucket_cap_mb": bucket_cap_mb}
-            self.wrapped = VERSIONS[version](self.model, **kwargs)
+            self.wrapped = VERSIONS[version](self.model, all_reduce=from_scratch, **kwargs)
             self.wrapped.spans = self.spans if probe else None
         self.optimizer = make_optimizer(self.model, train_config)
         # The same seed on every rank: all draw the same global batch and keep their own rows of it.
@@ -391,6 +441,8 @@ class DataParallelRun:
         if isinstance(self.wrapped, DataParallel):
             with self._timed("sync"):
                 self.wrapped.sync_gradients()
+        if self.record_grads:  # the averaged gradient, before clipping and the optimizer change anything
+            self.grads = {name: p.grad.detach().clone() for name, p in self.model.named_parameters()}
         with self._timed("optimizer"):
             if cfg.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
@@ -415,6 +467,8 @@ def train_data_parallel(
     tokens: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
     keep_params: bool = False,
+    keep_grads: bool = False,
+    all_reduce: str = "library",
 ) -> dict:
     """Train one :class:`DataParallelRun` for ``train_config.steps`` steps on this rank and report it.
 
@@ -422,11 +476,17 @@ def train_data_parallel(
     world size. Returns ``losses`` (the global mean loss of each step), ``step_times`` (s), the collective
     ``calls`` and ``bytes_sent`` of each step (counted by :func:`scalebook.dist.traffic.count_traffic`; for
     ``"torch"`` through a communication hook), the last step's ``spans`` and ``buckets``, and, with
-    ``keep_params``, the final ``params``. ``tokens`` and ``dtype`` are as in :class:`DataParallelRun`.
+    ``keep_params``, the final ``params``; with ``keep_grads``, the ``grads`` of the first step as the
+    optimizer receives them (averaged over ranks, not yet clipped). ``tokens``, ``dtype`` and ``all_reduce``
+    are as in :class:`DataParallelRun`. With a from-scratch ``all_reduce`` (say ``"ring"``) the bytes are
+    counted at its ``isend`` calls, so they are measured; with the library's, ``count_traffic`` can only
+    charge each call the ring algorithm's bytes.
     """
     run = DataParallelRun(
-        version, model_config, train_config, bucket_cap_mb=bucket_cap_mb, tokens=tokens, dtype=dtype, probe=True
-    )
+        version, model_config, train_config, bucket_cap_mb=bucket_cap_mb, tokens=tokens, dtype=dtype, probe=True,
+        all_reduce=all_reduce, record_grads=keep_grads,
+    )  # fmt: skip
+    first_grads = None
     losses, step_times, calls, bytes_sent = [], [], [], []
     for step in range(train_config.steps):
         with count_traffic() as traffic:
@@ -435,6 +495,8 @@ def train_data_parallel(
             step_times.append(time.perf_counter() - start)
         calls.append(traffic.count())
         bytes_sent.append(traffic.bytes_sent())
+        if keep_grads and first_grads is None:
+            first_grads = run.grads
     mean_losses = torch.tensor(losses, dtype=torch.float64)
     if version != "single":  # one more collective, after counting: the logged loss is the global mean
         dist.all_reduce(mean_losses)
@@ -447,6 +509,8 @@ def train_data_parallel(
         "spans": list(run.spans),
         "buckets": run.buckets(),
     }
+    if keep_grads:
+        result["grads"] = first_grads
     if keep_params:
         result["params"] = {name: p.detach().clone() for name, p in run.model.named_parameters()}
     return result
@@ -525,24 +589,34 @@ def predicted_step_time(
     grad_bytes: int = 4,
 ) -> dict[str, float]:
     """Seconds of one data-parallel step by the alpha-beta model: ``compute``, ``comm``, and the step
-    ``serial`` (all-reduce after backward) and ``overlapped`` (all-reduce hidden behind backward).
+    ``serial`` (all-reduces after backward) and ``overlapped`` (each bucket's all-reduce launched as soon
+    as backward has produced it, as in :class:`OverlappedDDP`).
 
-        compute    = F(tokens_per_rank) / (mfu * peak_flops)       backward is 2/3 of it
-        comm       = k * T_ring-all-reduce(M / k),  M = grad_bytes * params, k = ceil(M / bucket cap)
+        compute    = F(tokens_per_rank) / (mfu * peak_flops)       forward 1/3 of it, backward 2/3
+        comm       = k c,  c = T_ring-all-reduce(M / k),  M = grad_bytes * params,  k = ceil(M / bucket cap)
         serial     = compute + comm
-        overlapped = compute / 3 + max(2 compute / 3, comm)
+        overlapped = compute / 3 + max(2 compute / 3 + c,  2 compute / (3 k) + comm)
 
-    The overlapped time is the ideal: it assumes the first bucket is ready as backward starts.
+    The overlapped time assumes ``k`` equal buckets that backward completes at an even pace, one every
+    ``2 compute / (3 k)``, and all-reduces that run one at a time, each starting when its bucket is complete
+    and the previous all-reduce is done. The step ends with the last all-reduce. Either backward is the
+    bottleneck: then the last bucket, complete only when backward ends, is still all-reduced after it, so
+    at least ``c`` is always exposed; or the link is: then all-reduces run back to back from the moment
+    the first bucket is complete. With one bucket (``k = 1``) nothing overlaps and the step is ``serial``.
     """
     if ranks < 1 or tokens_per_rank < 1:
         raise ValueError(f"ranks and tokens_per_rank must be >= 1, got {ranks} and {tokens_per_rank}")
     compute = training_flops_with_attention(model, tokens_per_rank, seq_len=seq_len) / (mfu * peak_flops)
     grad_message = grad_bytes * param_count(model)
     n_buckets = math.ceil(grad_message / (bucket_cap_mb * MIB))
-    comm = n_buckets * alpha_beta_time("all_reduce", grad_message / n_buckets, ranks, alpha=alpha, bandwidth=bandwidth)
+    per_bucket = alpha_beta_time("all_reduce", grad_message / n_buckets, ranks, alpha=alpha, bandwidth=bandwidth)
+    comm = n_buckets * per_bucket
+    backward = 2 * compute / 3
+    # Bucket i (0-based) is complete at compute/3 + (i+1) backward/k; the all-reduces end at
+    # compute/3 + max_i ((i+1) backward/k + (k-i) c), linear in i, so the first or the last bucket decides.
     return {
         "compute": compute,
         "comm": comm,
         "serial": compute + comm,
-        "overlapped": compute / 3 + max(2 * compute / 3, comm),
+        "overlapped": compute / 3 + max(backward + per_bucket, backward / n_buckets + comm),
     }
