@@ -211,7 +211,8 @@ class ExpertParallelMoE(nn.Module):
 
     ``forward(x)`` routes this rank's tokens (one group), exchanges them with all-to-all, runs the local
     experts, and exchanges the results back. Build it with :meth:`from_moe`. After the backward pass
-    call :meth:`all_reduce_router_grad` (every rank's router saw different tokens).
+    call :meth:`average_gradients`: every rank's router saw different tokens, and every expert received
+    gradients from every rank's loss.
     """
 
     def __init__(self, config: MoEConfig, group=None):
@@ -246,9 +247,18 @@ class ExpertParallelMoE(nn.Module):
         returned = all_to_all(outputs.reshape(self.ep * self.local, C, d), self.group)
         return combine(returned, routing).view_as(x), routing
 
-    def all_reduce_router_grad(self) -> None:
-        """Sum the router's gradient over the expert-parallel ranks."""
+    def average_gradients(self) -> None:
+        """Turn gradients of every rank's own mean loss into gradients of the mean over all ranks' tokens.
+
+        Each rank's loss is the mean over its own tokens, as in data parallelism, so the global loss is
+        the average of the ep local losses and every gradient needs a 1/ep. The router's gradient is
+        this rank's share only: sum it over the ranks, then divide. An expert's gradient already holds
+        every rank's share (the backward all-to-all brought it home): divide only (torchtitan's
+        ``gradient_divide_factor`` for the experts does the same).
+        """
         dist.all_reduce(self.router.weight.grad, group=self.group)
+        for param in self.parameters():
+            param.grad /= self.ep
 
 
 def dispatch_bytes_per_rank(tokens: int, config: MoEConfig, ep: int, *, dtype_bytes: int = 4) -> float:
@@ -261,9 +271,12 @@ def compare_expert_parallel(*, tokens_per_rank: int = 32, config: MoEConfig | No
     """On every rank (run it with :func:`scalebook.dist.launch`): expert-parallel MoE against one :class:`MoE`
     holding all experts, with one group per rank.
 
-    Returns this rank's largest deviation of the output, of its tokens' input gradients, of the router
-    gradient and of its experts' gradients from the reference, the dropped share of assignments, and its
-    all-to-all calls and bytes.
+    The loss is a weighted mean over tokens: the reference takes it over all ep * tokens_per_rank tokens,
+    each rank over its own (as data parallelism does), and :meth:`ExpertParallelMoE.average_gradients`
+    reconciles the two. Returns this rank's largest deviation of the output, of its tokens' input
+    gradients (times ep: a token's share of the local mean is ep times its share of the global one), of
+    the router gradient and of its experts' gradients from the reference, the dropped share of
+    assignments, and its all-to-all calls and bytes.
     """
     config = config or MoEConfig()
     rank, ep = dist.get_rank(), dist.get_world_size()
@@ -271,9 +284,9 @@ def compare_expert_parallel(*, tokens_per_rank: int = 32, config: MoEConfig | No
     reference = MoE(config)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(ep * tokens_per_rank, config.d_model, generator=gen).requires_grad_()
-    weight = torch.randn(ep * tokens_per_rank, config.d_model, generator=gen)  # loss = sum(w * y)
+    weight = torch.randn(ep * tokens_per_rank, config.d_model, generator=gen)  # loss = mean_tokens(sum_d w * y)
     y_ref, routings = reference(x, groups=ep)
-    (weight * y_ref).sum().backward()
+    ((weight * y_ref).sum() / (ep * tokens_per_rank)).backward()
 
     model = ExpertParallelMoE.from_moe(reference, None)
     mine = slice(rank * tokens_per_rank, (rank + 1) * tokens_per_rank)
@@ -281,8 +294,8 @@ def compare_expert_parallel(*, tokens_per_rank: int = 32, config: MoEConfig | No
     with count_traffic() as forward:
         y, routing = model(x_mine)
     with count_traffic() as backward:
-        (weight[mine] * y).sum().backward()
-    model.all_reduce_router_grad()
+        ((weight[mine] * y).sum() / tokens_per_rank).backward()
+    model.average_gradients()
     expert_error = max(
         (p.grad - q.grad).abs().max().item()
         for j, expert in enumerate(model.experts)
@@ -290,9 +303,10 @@ def compare_expert_parallel(*, tokens_per_rank: int = 32, config: MoEConfig | No
     )
     return {
         "output_error": (y - y_ref[mine]).abs().max().item(),
-        "input_grad_error": (x_mine.grad - x.grad[mine]).abs().max().item(),
+        "input_grad_error": (x_mine.grad - ep * x.grad[mine]).abs().max().item(),
         "router_grad_error": (model.router.weight.grad - reference.router.weight.grad).abs().max().item(),
         "expert_grad_error": expert_error,
+        "grad_scale": max(p.grad.abs().max().item() for p in reference.parameters() if p.grad is not None),
         "dropped": float((routing.slots < 0).float().mean()),
         "forward": {op: (n, float(sent)) for op, (n, sent) in forward.by_op().items()},
         "backward": {op: (n, float(sent)) for op, (n, sent) in backward.by_op().items()},
