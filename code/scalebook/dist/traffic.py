@@ -1,14 +1,20 @@
 """Count what a rank communicates: every collective and point-to-point call, and the bytes it sends.
 
 Inside ``with count_traffic() as traffic:`` the ``torch.distributed`` functions are wrapped so that each
-call is recorded as a :class:`CommCall` before it runs (the call itself is unchanged, async or not).
-Point-to-point calls are counted exactly: ``send``/``isend`` send the tensor's bytes, ``recv``/``irecv``
-send nothing. A library collective (``all_reduce``, ``all_gather_into_tensor``, ...) does not say how it
-moves its bytes, so it is counted as the bandwidth-optimal ring algorithm would send them
-(:func:`scalebook.accounting.comm.bytes_sent_per_rank`), which is what NCCL does for large messages;
-all-to-all, whose bytes do not depend on the algorithm, is counted exactly. A collective built from
-``send``/``recv`` (such as ``scalebook.dist.collectives.ring_all_reduce``) is therefore measured, not
-assumed.
+call is recorded as a :class:`CommCall` before it runs (the call itself is unchanged, async or not). The
+calls and their message sizes are always what the rank really issued; the bytes sent are of two kinds.
+
+* **Counted at real sends.** ``send``/``isend`` (and the sends of ``batch_isend_irecv``) send the tensor's
+  bytes, ``recv``/``irecv`` send nothing. A collective built from them, such as
+  ``scalebook.dist.collectives.ring_all_reduce``, is therefore counted message by message, as it runs.
+  All-to-all is counted from its tensors: every block but the rank's own must leave it, whatever the
+  algorithm.
+* **Charged per the algorithm.** A library ``all_reduce``, ``broadcast``, ``reduce``, ``all_gather*`` or
+  ``reduce_scatter*`` is one call whose internal messages are hidden, so it is charged the bytes that the
+  bandwidth-optimal ring algorithm sends (:func:`scalebook.accounting.comm.bytes_sent_per_rank`, what NCCL
+  does for large messages); ``gather`` and ``scatter`` are charged direct sends to or from the root. For
+  these calls, comparing the bytes with the ring formula checks the calls and their sizes, not the
+  algorithm the library ran.
 
 Only calls made through the Python functions of ``torch.distributed`` are seen: torch's
 ``DistributedDataParallel`` issues its all-reduces from C++ (count them with a communication hook), and
@@ -41,7 +47,7 @@ class CommCall:
     op: str  # the torch.distributed function name
     message_bytes: int  # the full logical message (see the module docstring)
     group_size: int
-    bytes_sent: float  # by this rank
+    bytes_sent: float  # by this rank: counted at real sends, or charged per the algorithm (module docstring)
     peer: int | None = None  # the other rank (global) of a point-to-point call, or a gather's/scatter's root
 
 
