@@ -40,35 +40,67 @@ def test_invalid_combinations_fail_with_one_message_before_any_work(capsys):
     assert "--resume needs --checkpoint-dir" in err
 
 
-def test_two_ranks_reach_the_single_process_losses():
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, tuple[LocalRun, object]]:
+    """One run per PyTorch strategy, 6 steps, checkpointed at the end: the references the tests share."""
+    runs = {}
+    for strategy, nproc in [("single", 1), ("torch-ddp", 2), ("fsdp", 2)]:
+        ckpt = tmp_path_factory.mktemp(strategy)
+        runs[strategy] = train(*SMALL, "--strategy", strategy, "--checkpoint-dir", str(ckpt), nproc=nproc), ckpt
+    return runs
+
+
+def test_the_logged_gradient_norm_is_the_norm_before_clipping(uninterrupted):
+    # Step 1's gradient recomputed here, in one process on the step's whole batch, without the CLI's loop:
+    # the same initial weights (seed 0) and the same first draw of the data generator.
+    from scalebook import data
+    from scalebook.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.named("tiny"))
+    x, y = data.get_batch(data.tokenize(data.load_text()), 4, 32, torch.Generator().manual_seed(0))
+    model(x, y)[1].backward()
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+    logged = uninterrupted["single"][0].grad_norms[1]
+    assert expected > 1.5  # the clipping at 1.0 acts: a norm logged after clipping would read 1.0
+    # Two micro-batches of 2 against one batch of 4: float32 sums in another order (1e-7 measured).
+    assert logged == pytest.approx(expected, rel=1e-5)
+
+
+def test_two_ranks_reach_the_single_process_losses_and_gradient_norms(uninterrupted):
     # Same global batch of 4 sequences: one process, or two ranks of 2. Summation order differs, so the
-    # losses agree to float32 rounding (1e-6 relative), not bit for bit.
-    single = train(*SMALL).losses
-    ddp = train(*SMALL, "--strategy", "torch-ddp", nproc=2).losses
-    fsdp = train(*SMALL, "--strategy", "fsdp", nproc=2).losses
-    assert sorted(single) == sorted(ddp) == sorted(fsdp) == list(range(1, 7))
-    for step in single:
-        assert ddp[step] == pytest.approx(single[step], rel=1e-6)
-        assert fsdp[step] == pytest.approx(single[step], rel=1e-6)
+    # losses agree to float32 rounding (1e-6 relative), not bit for bit. The gradient norm before clipping
+    # is compared too, from step 1: AdamW divides a constant factor on the gradients out of the update, so a
+    # missing 1/d (gradients summed over the d ranks instead of averaged) barely moves the losses, but it
+    # multiplies this norm by d = 2. Measured deviation ~1e-7; 1e-5 leaves a margin of 100 and is five
+    # orders of magnitude below that factor.
+    single = uninterrupted["single"][0]
+    for strategy in ("torch-ddp", "fsdp"):
+        run = uninterrupted[strategy][0]
+        assert sorted(run.losses) == sorted(run.grad_norms) == list(range(1, 7))  # no step missing
+        for step in single.losses:
+            assert run.losses[step] == pytest.approx(single.losses[step], rel=1e-6), (strategy, step)
+            assert run.grad_norms[step] == pytest.approx(single.grad_norms[step], rel=1e-5), (strategy, step)
 
 
-def test_resume_after_a_crash_gives_bit_identical_losses(tmp_path):
-    reference = train(*SMALL).losses
+def test_resume_after_a_crash_gives_bit_identical_losses(tmp_path, uninterrupted):
+    reference = uninterrupted["single"][0]
     ckpt = tmp_path / "ckpt"
     crashed = train(*SMALL, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--simulate-failure-at", "3",
                     check=False)  # fmt: skip
     assert crashed.returncode == 1 and "simulated failure before step 3" in crashed.stderr
     assert checkpoint.latest_step(ckpt) == 2
-    resumed = train(*SMALL, "--checkpoint-dir", str(ckpt), "--resume").losses
-    assert sorted(resumed) == [3, 4, 5, 6]  # it continued from step 2, not from the start
-    for step, loss in resumed.items():
-        assert loss == reference[step]  # bit-identical: same data, same state, same arithmetic
+    resumed = train(*SMALL, "--checkpoint-dir", str(ckpt), "--resume")
+    assert sorted(resumed.losses) == [3, 4, 5, 6]  # it continued from step 2, not from the start
+    for step, loss in resumed.losses.items():
+        # Bit-identical: same data, same state, same arithmetic.
+        assert loss == reference.losses[step] and resumed.grad_norms[step] == reference.grad_norms[step]
     saved = torch.load(checkpoint.step_dir(ckpt, 6) / "rank0.pt", weights_only=True)
-    assert saved["losses"].tolist() == [reference[s] for s in range(1, 7)]
+    assert saved["losses"].tolist() == [reference.losses[s] for s in range(1, 7)]
 
 
-def test_sharded_fsdp_checkpoint_resumes_bit_identically(tmp_path):
-    reference = train(*SMALL, "--strategy", "fsdp", nproc=2).losses
+def test_sharded_fsdp_checkpoint_resumes_bit_identically(tmp_path, uninterrupted):
+    reference = uninterrupted["fsdp"][0].losses
     ckpt = tmp_path / "ckpt"
     train(*SMALL, "--strategy", "fsdp", "--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
           nproc=2)  # fmt: skip
@@ -78,8 +110,8 @@ def test_sharded_fsdp_checkpoint_resumes_bit_identically(tmp_path):
     assert all(resumed[s] == reference[s] for s in resumed)
 
 
-def test_torchrun_restarts_a_failed_job_from_its_last_checkpoint(tmp_path):
-    reference = train(*SMALL, "--strategy", "torch-ddp", nproc=2).losses
+def test_torchrun_restarts_a_failed_job_from_its_last_checkpoint(tmp_path, uninterrupted):
+    reference = uninterrupted["torch-ddp"][0].losses
     ckpt = tmp_path / "ckpt"
     run = train(*SMALL, "--strategy", "torch-ddp", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
                 "--resume", "--simulate-failure-at", "3", nproc=2, extra=("--max-restarts=1",))  # fmt: skip
@@ -89,14 +121,12 @@ def test_torchrun_restarts_a_failed_job_from_its_last_checkpoint(tmp_path):
     assert all(finished[s] == reference[s] for s in range(1, 7))
 
 
-def test_a_sharded_checkpoint_consolidates_into_our_model_and_hf_gpt2(tmp_path):
+def test_a_sharded_checkpoint_consolidates_into_our_model_and_hf_gpt2(tmp_path, uninterrupted):
     from transformers import GPT2LMHeadModel
 
     from scalebook.model import GPT, GPTConfig
 
-    ckpt, single_ckpt = tmp_path / "fsdp", tmp_path / "single"
-    train(*SMALL, "--strategy", "fsdp", "--checkpoint-dir", str(ckpt), nproc=2)
-    train(*SMALL, "--checkpoint-dir", str(single_ckpt))
+    ckpt, single_ckpt = uninterrupted["fsdp"][1], uninterrupted["single"][1]
     out, hf_dir = tmp_path / "model.pt", tmp_path / "hf"
     result = subprocess.run([PY, "-m", "scalebook.checkpoint", str(ckpt), str(out), "--hf", str(hf_dir)],
                             env=ENV, capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -1,7 +1,7 @@
 """The book's own strategies in `python -m scalebook.train`: Chapter 10's DDP, Chapter 11's ZeRO stages,
 Chapter 12's tensor parallelism, Chapter 13's pipeline and Chapter 14's DP x TP x PP train to the
-single-process losses, resume bit-identically from their checkpoints, consolidate into the single-process
-model, and bad layouts fail before any rank starts."""
+single-process losses and gradient norms (before clipping), resume bit-identically from their checkpoints,
+consolidate into the single-process model, and bad layouts fail before any rank starts."""
 
 import functools
 
@@ -40,39 +40,49 @@ def strategy_args(strategy: str) -> list[str]:
 
 
 @functools.cache
-def uninterrupted(strategy: str) -> dict[int, float]:
-    """The losses of a 2-rank (3d: 4-rank) run of ``strategy`` from start to end (run once, shared by the tests)."""
-    return train(*strategy_args(strategy), nproc=NPROC.get(strategy, 2)).losses
+def uninterrupted(strategy: str) -> LocalRun:
+    """A 2-rank (3d: 4-rank) run of ``strategy`` from start to end (run once, shared by the tests)."""
+    return train(*strategy_args(strategy), nproc=NPROC.get(strategy, 2))
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """The reference: one process, torch's AdamW, the whole global batch; its losses and final weights."""
+def single(tmp_path_factory) -> tuple[LocalRun, dict[str, torch.Tensor]]:
+    """The reference: one process, torch's AdamW, the whole global batch; its run and final weights."""
     ckpt = tmp_path_factory.mktemp("single")
-    losses = train(*SMALL, "--checkpoint-dir", str(ckpt)).losses
-    return losses, checkpoint.consolidate(ckpt)[0]
+    run = train(*SMALL, "--checkpoint-dir", str(ckpt))
+    return run, checkpoint.consolidate(ckpt)[0]
+
+
+def assert_matches_single(run: LocalRun, reference: LocalRun) -> None:
+    """Every step's loss and gradient norm before clipping equal one process's, to float32 rounding.
+
+    The same arithmetic in a different summation order (gradients summed over ranks, norms over shards,
+    tensor-parallel partial sums): the losses agree to 1e-6 relative, not bit for bit; the gradient norms
+    to ~1e-7 measured, checked at 1e-5. The norm is the stronger check: AdamW divides a constant factor
+    on the gradients out of its update, so a missing 1/d (gradients summed over the d data-parallel ranks
+    instead of averaged) hides in the losses, but it multiplies the norm by d from step 1 on. The
+    ZeRO engines' Adam is torch's AdamW(foreach=False) formula for formula, so it adds no difference.
+    """
+    assert sorted(run.losses) == sorted(run.grad_norms) == sorted(reference.losses) == list(range(1, 7))
+    for step, loss in reference.losses.items():
+        assert run.grad_norms[step] == pytest.approx(reference.grad_norms[step], rel=1e-5), ("grad norm", step)
+        assert run.losses[step] == pytest.approx(loss, rel=1e-6), ("loss", step)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_strategy_reaches_the_single_process_losses(strategy, single):
-    # The same arithmetic in a different summation order (gradients summed over ranks, norms over shards,
-    # tensor-parallel partial sums), so the losses agree to float32 rounding, 1e-6 relative, not bit for bit.
-    # The ZeRO engines' Adam is torch's AdamW(foreach=False) formula for formula, so it adds no difference.
+def test_strategy_reaches_the_single_process_losses_and_gradient_norms(strategy, single):
     reference, _ = single
-    losses = uninterrupted(strategy)
-    assert sorted(losses) == sorted(reference) == list(range(1, 7))
-    for step, loss in reference.items():
-        assert losses[step] == pytest.approx(loss, rel=1e-6)
+    assert_matches_single(uninterrupted(strategy), reference)
+    losses = uninterrupted(strategy).losses
     assert losses[6] < losses[1] - 0.5  # it learns (and is not a constant that matches by chance)
+    assert min(reference.grad_norms.values()) > 1.5  # so clipping at 1.0 acts on every step
 
 
-def test_3d_with_replicas_reaches_the_single_process_losses(single):
+def test_3d_with_replicas_reaches_the_single_process_losses_and_gradient_norms(single):
     # DP2 x PP2: each replica pipelines its half of the batch; gradients and losses average over replicas.
     reference, _ = single
-    losses = train(*SMALL, "--strategy", "3d", "--dp", "2", "--tp", "1", "--pp", "2", nproc=4).losses
-    assert sorted(losses) == list(range(1, 7))
-    for step, loss in reference.items():
-        assert losses[step] == pytest.approx(loss, rel=1e-6)
+    assert_matches_single(train(*SMALL, "--strategy", "3d", "--dp", "2", "--tp", "1", "--pp", "2", nproc=4),
+                          reference)  # fmt: skip
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -83,12 +93,14 @@ def test_strategy_resumes_bit_identically_and_consolidates(strategy, single, tmp
                     nproc=nproc, check=False)  # fmt: skip
     assert crashed.returncode != 0 and "simulated failure before step 5" in crashed.stderr
     assert checkpoint.latest_step(ckpt) == 4
-    resumed = train(*args, "--checkpoint-dir", str(ckpt), "--resume", nproc=nproc).losses
+    resumed_run = train(*args, "--checkpoint-dir", str(ckpt), "--resume", nproc=nproc)
+    resumed = resumed_run.losses
     assert sorted(resumed) == [5, 6]  # it continued from step 4
     # Bit-identical: the resumed steps are those of a run that never stopped, and the final checkpoint
     # carries the losses that the crashed run logged before it saved.
     full_run = uninterrupted(strategy)
-    assert [resumed[5], resumed[6]] == [full_run[5], full_run[6]]
+    assert [resumed[5], resumed[6]] == [full_run.losses[5], full_run.losses[6]]
+    assert [resumed_run.grad_norms[5], resumed_run.grad_norms[6]] == [full_run.grad_norms[5], full_run.grad_norms[6]]
     saved = checkpoint.load_shard(ckpt, 6, 0)["losses"].tolist()
     assert saved == [crashed.losses[s] for s in range(1, 5)] + [resumed[5], resumed[6]]
     # Rank 0's file holds the full model, loadable by GPT and equal to single-process training's weights

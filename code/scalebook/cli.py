@@ -31,16 +31,21 @@ Strategies. PyTorch's own: ``single`` (one process), ``torch-ddp`` (``Distribute
   averaged over the data-parallel group. Clipping counts every gradient once: the shards of one replica,
   its replicated parameters on one tensor-parallel rank, the tied embedding on the first stage.
 
-Every strategy is the same computation as ``single`` up to float32 rounding, so the logged losses agree
-to about 1e-6 relative. Checkpoints of ``zero*``, ``tp``, ``pp`` and ``3d`` also carry, in rank 0's file,
-the full model gathered from the shards and stages, so :func:`scalebook.checkpoint.consolidate` reads
-them like a replicated one.
+Every strategy is the same computation as ``single`` up to float32 rounding, so the logged losses and
+gradient norms agree to about 1e-6 relative. ``grad_norm`` is the global L2 norm of the step's gradient
+before clipping and before the optimizer: losses after AdamW barely move when every gradient is scaled by
+a constant (Adam divides the scale out), the gradient norm moves by that factor, from the first step.
 
-Rank 0 prints one JSON object per logged step to stdout (``step``, ``loss``, ``lr``, ``world_size``, ``tokens_per_s``,
-``step_time``, ``state_bytes``, and ``mfu`` when ``--peak-flops`` is given) and appends the same lines to
-``--metrics`` if set; a tqdm bar goes to stderr. With ``--checkpoint-dir`` the run saves every
-``--checkpoint-every`` steps (atomically, see :mod:`scalebook.checkpoint`) and ``--resume`` continues from
-the newest complete checkpoint with bit-identical losses on CPU.
+Checkpoints of ``zero*``, ``tp``, ``pp`` and ``3d`` also carry, in rank 0's file, the full model gathered
+from the shards and stages, so :func:`scalebook.checkpoint.consolidate` reads them like a replicated one.
+
+Rank 0 prints one JSON object per logged step to stdout (``step``, ``loss``, ``grad_norm``, ``lr``,
+``world_size``, ``tokens_per_s``, ``step_time``, ``state_bytes``, and ``mfu`` when ``--peak-flops`` is given)
+and appends the same lines to ``--metrics`` if set; a tqdm bar goes to stderr. With ``--checkpoint-dir``
+the run saves every ``--checkpoint-every`` steps (atomically, see :mod:`scalebook.checkpoint`) and
+``--resume`` continues from the newest complete checkpoint with bit-identical losses on CPU. The
+checkpoint records the run's arguments (``"args"``) but the resume does not compare them with the new
+ones: resuming with another ``--global-batch`` or ``--steps`` runs a different experiment.
 
 Source: PyTorch documentation, "torchrun (Elastic Launch)", "DistributedDataParallel" and
 "torch.distributed.fsdp.fully_shard"; SLURM documentation, "srun".
@@ -614,17 +619,22 @@ def run(args: argparse.Namespace) -> list[float]:
                     step_loss += loss.detach() / layout.grad_accum
             if args.strategy == "ddp":
                 model.sync_gradients()  # wait for the bucket all-reduces that backward started
+            # Each branch returns the global L2 norm of the step's mean gradient before clipping, counting
+            # every gradient once: the same number on every strategy, so logging it checks the gradients
+            # themselves (a missing 1/dp multiplies it by dp at step 1, which AdamW would hide in the losses).
             if zero:
                 optimizer.reduce_gradients()
-                optimizer.clip_grad_norm_(1.0)
+                grad_norm = optimizer.clip_grad_norm_(1.0)
             elif pipeline:
-                pipeline.clip_grad_norm_(1.0)
+                grad_norm = pipeline.clip_grad_norm_(1.0)
             elif tp:
                 named = list(model.named_parameters())
-                _clip_grad_norm_over_shards([p.grad for n, p in named if n in split],
-                                            [p.grad for n, p in named if n not in split], 1.0)  # fmt: skip
+                grad_norm = _clip_grad_norm_over_shards([p.grad for n, p in named if n in split],
+                                                        [p.grad for n, p in named if n not in split], 1.0)  # fmt: skip
             else:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if hasattr(grad_norm, "full_tensor"):  # fsdp: a DTensor, this rank's share of the reduction
+                grad_norm = grad_norm.full_tensor()
             optimizer.step()
             # Under tp every rank already has the loss of the whole batch, under pp and 3d too (averaged above).
             if distributed and layout.dp > 1 and not pipeline:
@@ -633,7 +643,8 @@ def run(args: argparse.Namespace) -> list[float]:
             losses.append(step_loss.item())
             elapsed = time.perf_counter() - t0
             if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
-                record = {"step": step + 1, "loss": losses[-1], "lr": lr, "world_size": env.world_size,
+                record = {"step": step + 1, "loss": losses[-1], "grad_norm": grad_norm.item(), "lr": lr,
+                          "world_size": env.world_size,
                           "step_time": elapsed,
                           "tokens_per_s": tokens_per_step / elapsed,
                           "state_bytes": optimizer.held_bytes() if zero
@@ -703,6 +714,11 @@ class LocalRun:
     def losses(self) -> dict[int, float]:
         """Step -> loss; a step run twice (before a crash and after a resume) keeps its last value."""
         return {r["step"]: r["loss"] for r in self.records}
+
+    @property
+    def grad_norms(self) -> dict[int, float]:
+        """Step -> global gradient norm before clipping, like :attr:`losses`."""
+        return {r["step"]: r["grad_norm"] for r in self.records}
 
 
 def run_local(

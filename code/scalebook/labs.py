@@ -17,8 +17,9 @@ copied. Worker functions (``*_lab``) run on the ranks of :func:`scalebook.dist.l
    ``grad_accum`` times the traffic, caught by :func:`scalebook.dist.traffic.count_traffic`).
 4. Unsynchronized randomness (:func:`randomness_lab`): tensor-parallel ranks initialised from different
    seeds; data-parallel ranks reading the same batch.
-5. Loss parity across layouts (:func:`parity_lab`): DP, TP and PP from one seed against one process,
-   compared by :func:`scalebook.parity.compare_losses`.
+5. Parity across layouts (:func:`parity_lab`): DP, TP and PP from one seed against one process, their
+   losses and their gradient norms before the optimizer compared step by step by
+   :func:`scalebook.parity.compare_losses`; a missing 1/d hides in the losses and shows in the norms.
 6. Out of memory, predicted (:func:`predicted_peak_bytes`, :func:`check_fits`, :class:`EmulatedDevice`):
    the accounting of Chapter 7 refuses a micro-batch that will not fit, and a CPU emulation of a device
    with a memory cap fails exactly there.
@@ -467,7 +468,33 @@ def randomness_lab(*, batch_size: int = 4, seq_len: int = 32, size: str = "tiny"
 
 # ----- Lab 5: loss parity across layouts -------------------------------------------------------------------
 
-PARITY_LAYOUTS = ("single", "dp2", "tp2", "pp2", "pp2 broken: tied embedding not synced")
+PARITY_LAYOUTS = ("single", "dp2", "tp2", "pp2", "dp2 broken: gradients summed, not averaged",
+                  "pp2 broken: tied embedding not synced")  # fmt: skip
+
+
+def _global_grad_norm(model: torch.nn.Module, layout: str) -> float:
+    """The L2 norm of the whole model's gradient, every parameter counted once, on every rank.
+
+    ``single`` and ``dp2`` hold every gradient on each rank; ``tp2`` splits the sharded matrices over the
+    ranks (their squares are summed over ranks) and replicates the rest; ``pp2`` gives each rank one
+    stage, and the last stage's head is a copy of the first stage's embedding, counted there.
+    """
+    named = list(model.named_parameters())
+    if layout == "tp2":
+        split = [p.grad for name, p in named if sharding_of(name) is not None]
+        replicated = [p.grad for name, p in named if sharding_of(name) is None]
+    elif layout.startswith("pp2"):
+        split, replicated = [p.grad for name, p in named if name != "lm_head.weight"], []
+    else:
+        split, replicated = [], [p.grad for _, p in named]
+    squares = torch.zeros((), dtype=torch.float64)
+    for g in split:
+        squares += g.double().square().sum()
+    if split:
+        dist.all_reduce(squares)
+    for g in replicated:
+        squares += g.double().square().sum()
+    return squares.sqrt().item()
 
 
 def parity_lab(
@@ -483,9 +510,15 @@ def parity_lab(
     """Worker (2 ranks): train the same GPT from one seed on the same global batches with each layout.
 
     ``single`` is one process on the whole batch; ``dp2`` Chapter 10's bucketed DDP; ``tp2`` Chapter 12's
-    tensor parallelism; ``pp2`` Chapter 13's 1F1B pipeline with 2 micro-batches; the BROKEN layout skips
-    the all-reduce of the tied embedding's two copies. AdamW without clipping (clipping would need a
-    norm over all shards). Returns ``{layout: [global loss of each step]}``, the same on every rank.
+    tensor parallelism; ``pp2`` Chapter 13's 1F1B pipeline with 2 micro-batches. Two BROKEN layouts: DDP
+    that sums the gradients over the ranks instead of averaging them (a missing 1/d), and a pipeline that
+    skips the all-reduce of the tied embedding's two copies. AdamW without clipping (so that the scale of
+    the gradients reaches the optimizer untouched).
+
+    Returns ``{"losses": {layout: [global loss of each step]}, "grad_norms": {layout: [norm of each step's
+    gradient, before the optimizer]}}``, the same on every rank. The gradient norms are the sharper
+    detector: Adam divides a constant factor on the gradients out of its update, so a missing 1/d barely
+    moves the losses, while it doubles the norm (d = 2) from step 0.
     """
     layouts = _check_variants(layouts, PARITY_LAYOUTS)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -493,7 +526,7 @@ def parity_lab(
         raise ValueError(f"parity_lab's layouts are for 2 ranks, got {world}")
     config = GPTConfig.named(size)
     train_config = TrainConfig(steps=steps, lr=lr, min_lr=lr, warmup_steps=0, grad_clip=None, progress=False)
-    out = {}
+    out = {"losses": {}, "grad_norms": {}}
     for layout in layouts:
         torch.manual_seed(seed)
         full = GPT(config)
@@ -504,10 +537,10 @@ def parity_lab(
             model = TensorParallelGPT.from_gpt(full)
         else:
             model = full
-        ddp = BucketedDDP(model) if layout == "dp2" else None
+        ddp = BucketedDDP(model) if layout.startswith("dp2") else None
         optimizer = make_optimizer(model, train_config)
         generator = torch.Generator().manual_seed(seed)
-        losses = []
+        losses, norms = [], []
         for _ in range(steps):
             x, y = get_batch(_tokens(), batch_size, seq_len, generator)  # the whole global batch
             optimizer.zero_grad(set_to_none=False)
@@ -517,19 +550,23 @@ def parity_lab(
                     sync_tied_embedding({rank: stage}, group=None)
                 loss = torch.tensor([record.loss if rank == 1 else 0.0])
                 dist.broadcast(loss, group_src=1)
-            elif layout == "dp2":
+            elif layout.startswith("dp2"):
                 rows = slice(rank * batch_size // 2, (rank + 1) * batch_size // 2)
                 _, local = model(x[rows], y[rows])
                 local.backward()
                 ddp.sync_gradients()
+                if layout != "dp2":  # BROKEN: undo DDP's division, leaving the sum of the ranks' gradients
+                    for p in model.parameters():
+                        p.grad.mul_(world)
                 loss = local.detach().reshape(1) / world
                 dist.all_reduce(loss)
             else:
                 _, loss = model(x, y)
                 loss.backward()
+            norms.append(_global_grad_norm(model, layout))  # before the optimizer: what it is about to apply
             optimizer.step()
             losses.append(loss.item())
-        out[layout] = losses
+        out["losses"][layout], out["grad_norms"][layout] = losses, norms
     return out
 
 

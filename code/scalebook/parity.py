@@ -13,6 +13,12 @@ to seventh significant digit, so a tolerance of 1e-4 separates rounding from bug
 steps; a bug that changes the gradient (a missing all-reduce, a wrong scale) typically shows from the
 first optimizer step on, since step 0's loss is computed before any update.
 
+Losses alone can miss a bug. Adam divides each update by the running root mean square of the gradients,
+so a constant factor on every gradient (a sum over d data-parallel ranks where a mean was meant) cancels
+out of the update, except against epsilon, and the loss curves stay within the tolerance. Compare the
+global gradient norm of each step, before clipping and the optimizer, the same way: the factor d appears
+in it at step 0.
+
 Use it on your own runs from Python (:func:`compare_losses` takes ``{layout: [loss per step]}``) or from
 the shell on files holding one loss per line or a JSON list::
 
@@ -56,6 +62,7 @@ class ParityReport:
     reference: str
     tolerance: float
     layouts: tuple[LayoutParity, ...]
+    quantity: str = "loss"  # what the curves hold, for the report's heading
 
     @property
     def passed(self) -> bool:
@@ -81,7 +88,7 @@ class ParityReport:
         ]
 
     def __str__(self) -> str:
-        lines = [f"loss parity against {self.reference!r}, relative tolerance {self.tolerance:g}:"]
+        lines = [f"{self.quantity} parity against {self.reference!r}, relative tolerance {self.tolerance:g}:"]
         for layout, deviation, step, first, verdict in self.rows():
             diverges = "" if first == "-" else f", first exceeds the tolerance at step {first}"
             lines.append(f"  {verdict:4}  {layout}: max deviation {deviation} at step {step}{diverges}")
@@ -111,11 +118,17 @@ def _check_curves(losses: dict[str, list[float]], reference: str | None, toleran
 
 
 def compare_losses(
-    losses: dict[str, list[float]], *, reference: str | None = None, tolerance: float = DEFAULT_TOLERANCE
+    losses: dict[str, list[float]],
+    *,
+    reference: str | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    quantity: str = "loss",
 ) -> ParityReport:
     """Compare every curve of ``losses`` with the ``reference`` curve (default: the first one).
 
-    A layout fails when, at some step, ``|loss - reference| / |reference|`` exceeds ``tolerance``.
+    A layout fails when, at some step, ``|loss - reference| / |reference|`` exceeds ``tolerance``. Any
+    per-step curve compares the same way; ``quantity`` names it in the report (``"gradient norm"`` for the
+    norms of each step's gradient before clipping and the optimizer, the check that sees a wrong scale).
     """
     reference = _check_curves(losses, reference, tolerance)
     base = [float(v) for v in losses[reference]]
@@ -127,7 +140,7 @@ def compare_losses(
         worst = max(range(len(deviations)), key=deviations.__getitem__)
         first = next((t for t, d in enumerate(deviations) if d > tolerance), None)
         layouts.append(LayoutParity(name, deviations[worst], worst, first, deviations))
-    return ParityReport(reference, float(tolerance), tuple(layouts))
+    return ParityReport(reference, float(tolerance), tuple(layouts), quantity)
 
 
 def read_losses(path: str | Path) -> list[float]:

@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 STARTUP_ALLOWANCE = 120.0  # seconds for all ranks to start and join the process group
 
 
@@ -106,30 +105,29 @@ def backend_and_device(local_rank: int = 0) -> tuple[str, torch.device]:
 
 
 def init_from_env(timeout: float = 600.0) -> DistEnv:
-    """Initialise the default process group from the launcher's environment and return it."""
+    """Initialise the default process group from the launcher's environment and return it.
+
+    Under ``torchrun`` this is PyTorch's standard path, ``init_process_group(backend)`` with the default
+    ``env://``: the ranks join the store of torchrun's agent, which starts a fresh one for every restart, so
+    restarted ranks never meet their dead predecessors' keys. Ranks started by ``srun`` alone have no
+    RANK/WORLD_SIZE variables and no agent: their rank and world size come from SLURM's variables, and rank
+    0 hosts the store at the address :func:`detect_env` derived (``tcp://``).
+    """
     env = detect_env()
     backend, device = backend_and_device(env.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE) and keeps it across restarts;
-        # without a per-attempt prefix, restarted ranks read their dead predecessors' addresses and hang.
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(
-            env.master_addr,
-            env.master_port,
-            env.world_size,
-            is_master=env.rank == 0 and not agent_store,
-            timeout=timedelta(seconds=timeout),
-        )
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(f"scalebook/attempt{attempt}", store),
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timedelta(seconds=timeout),
-        )
+        if env.launcher == "torchrun":
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))  # init_method="env://"
+        else:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timedelta(seconds=timeout),
+            )
     return env
 
 
