@@ -471,3 +471,41 @@ def test_one_pipeline_stage_holds_the_whole_model_once():
     assert stage.activations == accounting.activation_bytes(gpt2, seq_len=1024, micro_batch=1)
     with pytest.raises(ValueError, match="partition must split the 12 layers"):
         pipeline.stage_memory(gpt2, [range(6), range(7, 12)], seq_len=1024, microbatches=4)
+
+
+def test_megatrons_gpt3_width_run_is_about_35_percent_mfu_and_needs_about_1100_a100s():
+    # Narayanan et al. 2021, Table 1: the 145.6B model (h = 12288, L = 80, V = 51200, s = 2048) ran at
+    # 148 TFLOP/s per A100 counted with full recomputation. Their per-iteration counts give the ratio of
+    # model to hardware FLOPs by hand: 72 (1 + s/6h + V/12Lh) against 96 (1 + s/6h + V/16Lh).
+    h, L, V, s, peak = 12288, 80, 51200, 2048, 312e12
+    megatron = configs.gpt_like("m", vocab_size=V, d_model=h, n_layers=L, n_heads=96, max_seq_len=s)
+    tokens_per_second = 148e12 / accounting.flops_per_token(megatron, seq_len=s, recompute=True)
+    mfu = accounting.mfu(megatron, tokens_per_second, 1, peak, seq_len=s)
+    by_hand = 148e12 / peak * 72 * (1 + s / (6 * h) + V / (12 * L * h)) / (96 * (1 + s / (6 * h) + V / (16 * L * h)))
+    assert mfu == pytest.approx(by_hand, rel=1e-12)
+    assert 0.35 < mfu < 0.36 < 160e12 / peak  # the "160 TFLOP/s" of the 800-GPU estimate is no MFU
+    # GPT-3 175B (h = 12288, L = 96, V = 50257) on 300B tokens in 30 days at that MFU, model FLOPs with attention.
+    gpt3 = configs.get_model("gpt3-175b")
+    flops = 300e9 * 72 * 96 * h * h * (1 + s / (6 * h) + 50257 / (12 * 96 * h))
+    expected = -(-flops // (30 * 86400 * peak * mfu))
+    assert accounting.devices_needed(gpt3, 300e9, days=30, peak_flops=peak, mfu=mfu, seq_len=s) == expected
+    assert 1050 <= expected <= 1150  # "about 1,100", where 160 TFLOP/s gives 760
+
+
+def test_attention_is_a_small_share_of_the_tiny_gpts_flops():
+    # Chapter 1's tiny GPT: h = 128, L = 4, V = 256, s = 128. Per token, forward: 2 * 12 h^2 per layer for
+    # the weights, 4 s h per layer for QK^T and PV, 2 h V for the head; training triples each. By hand the
+    # attention share is 4 s h L / (24 h^2 L + 4 s h L + 2 h V) = 262,144 / 1,900,544 = 4/29, about 14 %.
+    tiny = configs.gpt_like("tiny", vocab_size=256, d_model=128, n_layers=4, n_heads=4, max_seq_len=128)
+    attention = 3 * 4 * 128 * 128 * 4
+    share = attention / accounting.flops_per_token(tiny, seq_len=128)
+    assert share == pytest.approx(4 / 29, rel=1e-12)
+    assert share < 0.20  # a minority of the work, not "comparable" to the weight FLOPs
+
+
+def test_llama_3_1_405b_mlp_is_3_25_h_wide():
+    # Llama 3 paper, Table 3: model dimension 16,384, FFN dimension 53,248.
+    cfg = configs.get_model("llama-3.1-405b")
+    assert cfg.d_ff / cfg.d_model == 3.25
+    parts = accounting.param_breakdown(cfg)
+    assert parts["MLP weights"] == 126 * 3 * 16384 * 53248
