@@ -199,16 +199,24 @@ class TensorParallelStage(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters in the unsharded GPT's layout and names, the head (the embedding's copy)
         left out; a collective over the stage's tensor-parallel group."""
+        return self._unsharded({name: param.detach() for name, param in self.named_parameters()})
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's gradients in the unsharded GPT's layout and names, like :meth:`full_state_dict`;
+        a replicated parameter's gradient is this rank's own copy. A collective over the TP group."""
+        return self._unsharded({name: param.grad.detach() for name, param in self.named_parameters()})
+
+    def _unsharded(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         tp, full = dist.get_world_size(self.group), {}
-        for name, param in self.named_parameters():
+        for name, tensor in tensors.items():
             if name == "head.weight":
                 continue
             layout = sharding_of(name)
             if layout is None:
-                full[name] = param.detach().clone()
+                full[name] = tensor.clone()
                 continue
-            pieces = [torch.empty_like(param) for _ in range(tp)]
-            dist.all_gather(pieces, param.detach().contiguous(), group=self.group)
+            pieces = [torch.empty_like(tensor) for _ in range(tp)]
+            dist.all_gather(pieces, tensor.contiguous(), group=self.group)
             full[name] = unshard_tensor(pieces, layout)
         return full
 
@@ -256,7 +264,8 @@ def train_3d(
     size: str = "tiny", lr: float = 1e-3, seed: int = 0,
 ) -> dict:  # fmt: skip
     """On every rank (launch on dp * tp * pp ranks): train the GPT with DP x TP x PP; return this rank's
-    coordinates and the loss of every step (the mean over the global batch; on every rank).
+    coordinates, the loss of every step (the mean over the global batch; on every rank) and the first
+    step's gradients of this rank's stage, unsharded (the gradients AdamW is given).
 
     The global batch of ``batch_size`` sequences is split over the dp replicas, each replica's share
     into ``microbatches`` micro-batches that go through the pp stages (1F1B); inside a stage every layer
@@ -274,8 +283,8 @@ def train_3d(
     optimizer = torch.optim.AdamW(stage.parameters(), lr=lr)
     tokens = data.tokenize(data.default_corpus())
     gen = torch.Generator().manual_seed(seed)
-    losses = []
-    for _ in range(steps):
+    losses, first_grads = [], None
+    for step in range(steps):
         idx, targets = data.get_batch(tokens, batch_size, seq_len, gen)  # the same global batch everywhere
         mine = slice(mesh.coords["dp"] * batch_size // dp, (mesh.coords["dp"] + 1) * batch_size // dp)
         optimizer.zero_grad()
@@ -285,30 +294,36 @@ def train_3d(
         for p in stage.parameters():
             dist.all_reduce(p.grad, group=mesh.group("dp"))
             p.grad /= dp
+        if step == 0:
+            first_grads = stage.full_grad_dict()
         optimizer.step()
         # Every rank learns the step's loss: the last stage has it, averaged over the replicas.
         loss = loss if stage.last else torch.zeros(1)
         dist.all_reduce(loss, group=mesh.group("pp"))
         dist.all_reduce(loss, group=mesh.group("dp"))
         losses.append(loss.item() / dp)
-    return {"coords": mesh.coords, "losses": losses}
+    return {"coords": mesh.coords, "losses": losses, "first_grads": first_grads}
 
 
 def single_process_losses(
-    *, steps: int = 3, batch_size: int = 8, seq_len: int = 32, size: str = "tiny", lr: float = 1e-3, seed: int = 0
-) -> list[float]:
-    """The reference for :func:`train_3d`: the same GPT, batches and AdamW in one process."""
+    *, steps: int = 3, batch_size: int = 8, seq_len: int = 32, size: str = "tiny", lr: float = 1e-3, seed: int = 0,
+    grads: dict | None = None,
+) -> list[float]:  # fmt: skip
+    """The reference for :func:`train_3d`: the same GPT, batches and AdamW in one process. If ``grads`` is
+    a dict, the first step's gradients are copied into it by parameter name."""
     torch.manual_seed(seed)
     model = GPT(GPTConfig.named(size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     tokens = data.tokenize(data.default_corpus())
     gen = torch.Generator().manual_seed(seed)
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
         idx, targets = data.get_batch(tokens, batch_size, seq_len, gen)
         optimizer.zero_grad()
         _, loss = model(idx, targets)
         loss.backward()
+        if step == 0 and grads is not None:
+            grads.update({name: p.grad.detach().clone() for name, p in model.named_parameters()})
         optimizer.step()
         losses.append(loss.item())
     return losses
@@ -334,17 +349,30 @@ def compare_3d_with_single_process(
 ) -> dict:  # fmt: skip
     """Launch :func:`train_3d` on dp * tp * pp ranks and train the same model in this process.
 
-    Returns ``{"losses": [...] (rank 0's), "reference": [...], "max_error": ..., "coords": [per rank]}``.
+    Returns ``{"losses": [...] (rank 0's), "reference": [...], "max_error": ... (losses, every rank and
+    step), "max_grad_error": ... (first-step gradients, every rank, every parameter of its stage),
+    "grad_scale": ... (the largest reference gradient), "coords": [per rank]}``. Raises if a run stopped
+    early or a parameter of the model has no gradient on some stage.
     """
     check_3d(dp, tp, pp, batch_size=batch_size, microbatches=microbatches, size=size, seq_len=seq_len)
     kwargs = dict(steps=steps, batch_size=batch_size, seq_len=seq_len, size=size)
     per_rank = launch(train_3d, dp * tp * pp, dp=dp, tp=tp, pp=pp, microbatches=microbatches, timeout=timeout,
                       **kwargs)  # fmt: skip
-    reference = single_process_losses(**kwargs)
+    reference_grads = {}
+    reference = single_process_losses(**kwargs, grads=reference_grads)
     errors = [abs(a - b) for r in per_rank for a, b in zip(r["losses"], reference, strict=True)]
+    covered = set().union(*(r["first_grads"] for r in per_rank))
+    if covered != set(reference_grads):
+        raise RuntimeError(f"the stages' gradients cover {sorted(covered ^ set(reference_grads))} differently "
+                           "from the single-process model")  # fmt: skip
+    grad_errors = [
+        (grad - reference_grads[name]).abs().max().item() for r in per_rank for name, grad in r["first_grads"].items()
+    ]
     return {
         "losses": per_rank[0]["losses"],
         "reference": reference,
         "max_error": max(errors),
+        "max_grad_error": max(grad_errors),
+        "grad_scale": max(g.abs().max().item() for g in reference_grads.values()),
         "coords": [r["coords"] for r in per_rank],
     }
