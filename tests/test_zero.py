@@ -1,5 +1,6 @@
-"""ZeRO stages 0-3 train exactly like one process, like ZeroRedundancyOptimizer and like FSDP2, and hold and
-send the bytes that ``accounting.model_state_bytes`` and ``accounting.comm.data_parallel_bytes_per_step`` say.
+"""ZeRO stages 0-3 compute the gradients of one process and train exactly like it, like ZeroRedundancyOptimizer
+and like FSDP2; they hold the bytes that ``accounting.model_state_bytes`` says, and hand their collectives the
+messages whose ring cost ``accounting.comm.data_parallel_bytes_per_step`` gives.
 
 One launch per world size (2 and 4) runs every distributed experiment and returns the raw results; the
 tests below only compare. References are PyTorch's own: ``torch.optim.AdamW`` in one process on the global
@@ -25,6 +26,11 @@ STEPS = 3
 # Adam amplifies where a gradient is near zero, stay far below the tolerance; a wrong shard, offset or
 # average moves parameters by about lr = 1e-3.
 TOLERANCE = 1e-6
+# Gradients are compared before any update, each tensor relative to its largest single-process entry: a
+# different summation order leaves about 1e-15 in float64, while a missing division by N leaves N - 1 and a
+# wrong shard or offset an error of order 1. Comparing weights alone is weak: Adam's step barely depends on
+# the gradient's scale, so N times the right gradient moves most weights by ~1e-9 only.
+GRAD_TOLERANCE = 1e-12
 
 
 def _model(cfg, dtype):
@@ -34,6 +40,17 @@ def _model(cfg, dtype):
 
 def _params(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _grads(model):
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def _max_relative_difference(grads, reference):
+    """max over tensors of max |g - g_ref| / max |g_ref|."""
+    assert grads.keys() == reference.keys()
+    return max(((grads[k].double() - reference[k].double()).abs().max() / reference[k].double().abs().max()).item()
+               for k in reference)  # fmt: skip
 
 
 def _fsdp2(recipe, dtype, mp_policy=None, reshard_after_forward=True):
@@ -47,17 +64,22 @@ def _fsdp2(recipe, dtype, mp_policy=None, reshard_after_forward=True):
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **recipe.adamw())
-    losses = []
+    losses, grads = [], None
     for x, y in recipe.batches(dist.get_rank(), dist.get_world_size()):
         with count_traffic() as traffic:
             _, loss = model(x, y)
             loss.backward()
+        if grads is None:  # the first step's gradient, before the update (and outside the traffic count)
+            grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        with count_traffic() as update:
             optimizer.step()
+        traffic.calls += update.calls
         optimizer.zero_grad()
         losses.append(loss.item())
     state = [t.to_local() for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
     return {
         "params": {name: p.full_tensor() for name, p in model.named_parameters()},
+        "grads": grads,
         "losses": losses,
         "traffic": sum(b for _, b in traffic.by_op().values()),
         "param_bytes": sum(p.to_local().nbytes for p in model.parameters()),
@@ -76,12 +98,16 @@ def _zero_redundancy_optimizer(recipe, dtype):
     optimizer = ZeroRedundancyOptimizer(
         model.parameters(), optimizer_class=torch.optim.AdamW, foreach=False, **recipe.adamw()
     )
+    grads = None
     for x, y in recipe.batches(dist.get_rank(), dist.get_world_size()):
         with count_traffic() as traffic:
             ddp(x, y)[1].backward()
+        grads = grads or _grads(model)  # DDP's averaged gradient of the first step
+        with count_traffic() as update:
             optimizer.step()
+        traffic.calls += update.calls
         optimizer.zero_grad()
-    return {"params": _params(model), "traffic": traffic.by_op()}
+    return {"params": _params(model), "grads": grads, "traffic": traffic.by_op()}
 
 
 def _single_process(recipe, world_size, dtype):
@@ -89,11 +115,13 @@ def _single_process(recipe, world_size, dtype):
 
     model = _model(recipe.config, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **recipe.adamw())
+    grads = None
     for x, y in replace(recipe, batch_size=recipe.batch_size * world_size).batches(0, 1):
         model(x, y)[1].backward()
+        grads = grads or _grads(model)
         optimizer.step()
         optimizer.zero_grad()
-    return _params(model)
+    return _params(model), grads
 
 
 def _one_step(cfg, stage, **options):
@@ -102,7 +130,8 @@ def _one_step(cfg, stage, **options):
     (x, y), *_ = recipe.batches(dist.get_rank(), dist.get_world_size())
     with count_traffic() as traffic:
         engine.step(x, y)
-    return {"held": engine.held_bytes(), "peak": engine.peak_bytes, "traffic": traffic.by_op()}
+    messages = {op: sum(c.message_bytes for c in traffic.of(op)) for op in {c.op for c in traffic.calls}}
+    return {"held": engine.held_bytes(), "peak": engine.peak_bytes, "traffic": traffic.by_op(), "messages": messages}
 
 
 def run_everything():
@@ -111,16 +140,18 @@ def run_everything():
 
     world, rank = dist.get_world_size(), dist.get_rank()
     uneven = zero.Recipe(UNEVEN, steps=STEPS, seq_len=16)
-    out = {"params": {}}
-    for stage in zero.STAGES:
-        out["params"][f"ZeRO-{stage}"] = zero.train_zero(uneven, stage, torch.float64)["params"]
-    out["params"]["ZeroRedundancyOptimizer"] = _zero_redundancy_optimizer(uneven, torch.float64)["params"]
-    out["params"]["FSDP2"] = _fsdp2(uneven, torch.float64)["params"]
+    out = {"params": {}, "grads": {}}
+    runs = {f"ZeRO-{stage}": zero.train_zero(uneven, stage, torch.float64) for stage in zero.STAGES}
+    runs["ZeroRedundancyOptimizer"] = _zero_redundancy_optimizer(uneven, torch.float64)
+    runs["FSDP2"] = _fsdp2(uneven, torch.float64)
+    for name, run in runs.items():
+        out["params"][name], out["grads"][name] = run["params"], run["grads"]
     tiny = zero.Recipe(TINY, steps=STEPS)
     ours = zero.train_zero(tiny, 3, mixed_precision=True)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     theirs = _fsdp2(tiny, torch.float32, bf16)
     out["params"]["ZeRO-3 bf16"], out["params"]["FSDP2 bf16"] = ours["params"], theirs["params"]
+    out["grads"]["ZeRO-3 bf16"], out["grads"]["FSDP2 bf16"] = ours["grads"], theirs["grads"]
     out["bf16 losses"] = {"ZeRO-3": ours["losses"], "FSDP2": theirs["losses"]}
     one_step = zero.Recipe(TINY, steps=1)
     out["torch ZeRO-1 traffic"] = _zero_redundancy_optimizer(one_step, torch.float32)["traffic"]
@@ -129,7 +160,7 @@ def run_everything():
         run = _fsdp2(one_step, torch.float32, reshard_after_forward=reshard)
         out["FSDP2 one step"][reshard] = {k: run[k] for k in ("traffic", "param_bytes", "optimizer_bytes")}
     if rank == 0:
-        out["params"]["single process"] = _single_process(uneven, world, torch.float64)
+        out["params"]["single process"], out["grads"]["single process"] = _single_process(uneven, world, torch.float64)
     out["bytes"] = {
         (cfg.n_embd, precision, stage): _one_step(cfg, stage, mixed_precision=precision == "mixed")
         for cfg in (TINY, UNEVEN)
@@ -167,6 +198,26 @@ def test_every_stage_matches_single_process_adamw_on_the_global_batch(results, s
     _, ranks = results
     reference = ranks[0]["params"]["single process"]
     assert _max_difference(ranks[0]["params"][f"ZeRO-{stage}"], reference) < TOLERANCE
+
+
+@pytest.mark.parametrize("method", [f"ZeRO-{stage}" for stage in zero.STAGES] + ["ZeroRedundancyOptimizer", "FSDP2"])
+def test_first_step_gradients_match_single_process_before_the_update(results, method):
+    _, ranks = results
+    reference = ranks[0]["grads"]["single process"]
+    assert min(g.abs().max().item() for g in reference.values()) > 1e-6  # every tensor has a gradient to compare
+    for rank in ranks:  # every rank must hold the same averaged gradient
+        assert _max_relative_difference(rank["grads"][method], reference) < GRAD_TOLERANCE, method
+
+
+def test_zero3_mixed_precision_gradients_match_fsdp2_bf16_reduce(results):
+    n, ranks = results
+    ours, theirs = ranks[0]["grads"]["ZeRO-3 bf16"], ranks[0]["grads"]["FSDP2 bf16"]
+    if n == 2:
+        assert _max_relative_difference(ours, theirs) == 0.0  # one rounding of a two-term sum
+    else:
+        # Different owners add in different orders: up to two bf16 roundings (2 x 2^-7 relative) apart,
+        # where a missing division by N would be N - 1 = 3 apart.
+        assert _max_relative_difference(ours, theirs) < 2**-6
 
 
 def test_zero1_matches_zero_redundancy_optimizer(results):
@@ -235,7 +286,23 @@ def test_peak_adds_full_copies_of_the_root_and_one_block(results, precision, wid
 @pytest.mark.parametrize("cfg", [TINY, UNEVEN], ids=["tiny", "uneven"])
 @pytest.mark.parametrize("precision, width", [("fp32", 4), ("mixed", 2)])
 @pytest.mark.parametrize("stage", zero.STAGES)
-def test_traffic_equals_data_parallel_bytes_per_step(results, cfg, precision, width, stage):
+def test_messages_are_one_reduction_and_the_stages_all_gathers_of_every_element(results, cfg, precision, width, stage):
+    # Measured by count_traffic: the size of every message handed to a collective.
+    n, ranks = results
+    padded = _padded_count(cfg, n)
+    reduction = "all_reduce" if stage == 0 else "reduce_scatter_single"
+    gathers = {0: 0, 1: 1, 2: 1, 3: 2}[stage]
+    expected = {reduction: width * padded} | ({"all_gather_single": gathers * width * padded} if gathers else {})
+    for rank in ranks:
+        assert rank["bytes"][(cfg.n_embd, precision, stage)]["messages"] == expected
+
+
+@pytest.mark.parametrize("cfg", [TINY, UNEVEN], ids=["tiny", "uneven"])
+@pytest.mark.parametrize("precision, width", [("fp32", 4), ("mixed", 2)])
+@pytest.mark.parametrize("stage", zero.STAGES)
+def test_ring_cost_of_the_calls_equals_data_parallel_bytes_per_step(results, cfg, precision, width, stage):
+    # count_traffic charges each recorded collective call the ring algorithm's bytes for its message size:
+    # this checks the calls and sizes against the closed form, not a measured byte count on the wire.
     n, ranks = results
     padded = _padded_count(cfg, n)  # the flat messages include the padding
     formula = data_parallel_bytes_per_step(padded, n, zero_stage=stage, grad_bytes=width, param_bytes=width)

@@ -280,13 +280,24 @@ class ZeRO0:
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter by name, in the optimizer's precision (a collective: call it on every rank)."""
+        return self._by_name(lambda unit: unit.master)
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient of the last step by name, as the update used it: summed over the ranks
+        and divided by d, the gradient of the mean loss over the global batch, in the precision it was
+        reduced in (a collective: call it on every rank, after ``step``)."""
+        return self._by_name(lambda unit: unit.grad_shard)
+
+    def _by_name(self, shard_of) -> dict[str, torch.Tensor]:
+        """The full tensors whose owned shards ``shard_of(unit)`` returns, cut into named parameters."""
         out = {}
         for unit in self.units:
-            out.update(zip(unit.names, (v.clone() for v in unit.views(self._gather_master(unit))), strict=True))
+            full = self._gather_shard(unit, shard_of(unit))
+            out.update(zip(unit.names, (v.clone() for v in unit.views(full)), strict=True))
         return out
 
-    def _gather_master(self, unit: FlatUnit) -> torch.Tensor:
-        return unit.master
+    def _gather_shard(self, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
+        return shard  # stage 0 owns every element
 
 
 class ZeRO1(ZeRO0):
@@ -311,9 +322,9 @@ class ZeRO1(ZeRO0):
     def _after_update(self, unit: FlatUnit) -> None:
         dist.all_gather_single(unit.full, unit.param_shard, group=self.group)
 
-    def _gather_master(self, unit: FlatUnit) -> torch.Tensor:
-        full = torch.empty(unit.padded_numel, dtype=unit.master.dtype)
-        dist.all_gather_single(full, unit.master, group=self.group)
+    def _gather_shard(self, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
+        full = torch.empty(unit.padded_numel, dtype=shard.dtype)
+        dist.all_gather_single(full, shard, group=self.group)
         return full
 
 
@@ -519,42 +530,67 @@ def _corpus_tokens() -> torch.Tensor:
 
 
 def train_single_process(recipe: Recipe, world_size: int, dtype: torch.dtype = torch.float32) -> dict:
-    """The reference: one process, the whole global batch, ``torch.optim.AdamW``. Needs no process group."""
+    """The reference: one process, the whole global batch, ``torch.optim.AdamW``. Needs no process group.
+
+    ``grads`` is the first step's gradient, taken after the backward pass and before the update: every
+    method starts from the same weights, so their first gradients must agree to rounding.
+    """
     model = recipe.model(dtype)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **recipe.adamw())
     global_recipe = replace(recipe, batch_size=recipe.batch_size * world_size)
-    losses = []
+    losses, grads = [], None
     for x, y in global_recipe.batches(0, 1):
         _, loss = model(x, y)
         loss.backward()
+        if grads is None:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "losses": losses}
+    return {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "losses": losses,
+            "grads": grads}  # fmt: skip
+
+
+def message_bytes(traffic) -> dict[str, int]:
+    """``{op: bytes}``: the sizes of the messages this rank handed to each collective, added up.
+
+    :func:`scalebook.dist.count_traffic` records these sizes as the calls were made; the bytes it reports
+    *sent* by a library collective are the ring algorithm's formula applied to them.
+    """
+    return {op: sum(call.message_bytes for call in traffic.of(op)) for op in dict.fromkeys(c.op for c in traffic.calls)}
 
 
 def train_zero(recipe: Recipe, stage: int, dtype: torch.dtype = torch.float32, **options) -> dict:
-    """Our ZeRO ``stage`` on this rank: final parameters, losses, held and peak bytes, traffic of the last step."""
+    """Our ZeRO ``stage`` on this rank: final parameters, losses, the first step's averaged gradients
+    (:meth:`ZeRO0.full_gradients`), held and peak bytes, and the collectives of the last step: ``traffic``
+    (calls, bytes sent by the ring algorithm) and ``messages`` (message bytes) by operation."""
     engine = zero_data_parallel(recipe.model(dtype), stage, **recipe.adamw(), **options)
-    losses = []
+    losses, grads = [], None
     for x, y in recipe.batches(dist.get_rank(), dist.get_world_size()):
         with count_traffic() as traffic:
             losses.append(engine.step(x, y))
-    return {"params": engine.full_parameters(), "losses": losses, "held": engine.held_bytes(),
-            "peak": engine.peak_bytes, "traffic": traffic.by_op()}  # fmt: skip
+        if grads is None:  # gathered outside the count: the step's traffic stays the step's own
+            grads = engine.full_gradients()
+    return {"params": engine.full_parameters(), "losses": losses, "grads": grads, "held": engine.held_bytes(),
+            "peak": engine.peak_bytes, "traffic": traffic.by_op(), "messages": message_bytes(traffic)}  # fmt: skip
 
 
-def _train_reference(model: nn.Module, optimizer, recipe: Recipe) -> tuple[list[float], object]:
-    """The training loop of the PyTorch references on this rank: the losses, and the traffic of the last step."""
-    losses = []
+def _train_reference(model: nn.Module, optimizer, recipe: Recipe, full_gradients) -> tuple[list[float], dict, object]:
+    """The training loop of the PyTorch references on this rank: the losses, the first step's gradients
+    (``full_gradients()`` called between the backward pass and the update), and the last step's traffic."""
+    losses, grads = [], None
     for x, y in recipe.batches(dist.get_rank(), dist.get_world_size()):
         with count_traffic() as traffic:
             _, loss = model(x, y)
             loss.backward()
+        if grads is None:  # outside the count, like train_zero's
+            grads = full_gradients()
+        with count_traffic() as update:
             optimizer.step()
+        traffic.calls += update.calls
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, traffic
+    return losses, grads, traffic
 
 
 def train_torch_zero1(recipe: Recipe, dtype: torch.dtype = torch.float32) -> dict:
@@ -574,10 +610,12 @@ def train_torch_zero1(recipe: Recipe, dtype: torch.dtype = torch.float32) -> dic
     optimizer = ZeroRedundancyOptimizer(
         model.parameters(), optimizer_class=torch.optim.AdamW, foreach=False, **recipe.adamw()
     )
-    losses, traffic = _train_reference(ddp, optimizer, recipe)
+    losses, grads, traffic = _train_reference(
+        ddp, optimizer, recipe, lambda: {name: p.grad.clone() for name, p in model.named_parameters()}
+    )
     state = [t for s in optimizer.optim.state.values() for t in s.values() if t.dim() > 0]
     return {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "losses": losses,
-            "optimizer_bytes": _storage_bytes(state), "traffic": traffic.by_op()}  # fmt: skip
+            "grads": grads, "optimizer_bytes": _storage_bytes(state), "traffic": traffic.by_op()}  # fmt: skip
 
 
 def shard_with_fsdp2(model: nn.Module, mesh, *, reshard_after_forward: bool | None = True, mp_policy=None):
@@ -602,11 +640,13 @@ def train_fsdp2(recipe: Recipe, dtype: torch.dtype = torch.float32, **fsdp_optio
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = shard_with_fsdp2(recipe.model(dtype), mesh, **fsdp_options)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **recipe.adamw())
-    losses, traffic = _train_reference(model, optimizer, recipe)
+    losses, grads, traffic = _train_reference(
+        model, optimizer, recipe, lambda: {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    )
     params = {name: p.full_tensor() for name, p in model.named_parameters()}  # a collective
     local = [p.to_local() for p in model.parameters()]
     state = [t.to_local() for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
-    return {"params": params, "losses": losses, "traffic": traffic.by_op(),
+    return {"params": params, "losses": losses, "grads": grads, "traffic": traffic.by_op(),
             "param_bytes": _storage_bytes(local), "optimizer_bytes": _storage_bytes(state)}  # fmt: skip
 
 
@@ -617,6 +657,24 @@ def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max((a[name].double() - b[name].double()).abs().max().item() for name in a)
 
 
+def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest difference between two sets of named tensors, each tensor's relative to ``b``'s largest entry.
+
+    Per tensor, so that a wrong scale in a tensor of small gradients (a bias, a LayerNorm) is not hidden
+    by the size of the others: ``max over names of max |a - b| / max |b|``.
+    """
+    if a.keys() != b.keys():
+        raise ValueError(f"different names: {sorted(a.keys() ^ b.keys())}")
+    worst = 0.0
+    for name in a:
+        x, y = a[name].double(), b[name].double()
+        scale = y.abs().max().item()
+        if scale == 0.0:
+            raise ValueError(f"{name} of the reference is all zeros: nothing to compare relative to")
+        worst = max(worst, (x - y).abs().max().item() / scale)
+    return worst
+
+
 def chapter_experiments(recipe: Recipe, curve_recipe: Recipe | None = None) -> dict:
     """Every run of Chapter 11 on this rank, reduced to numbers (run it with ``scalebook.dist.launch``).
 
@@ -624,6 +682,8 @@ def chapter_experiments(recipe: Recipe, curve_recipe: Recipe | None = None) -> d
       ``recipe.steps`` AdamW steps between methods ``a`` and ``b``: one process on the global batch, our
       four stages, PyTorch's ZeRO-1 (``ZeroRedundancyOptimizer``) and FSDP2; in float64 and in float32,
       and (``"bf16"``) our mixed-precision stage 3 against FSDP2 reducing in bf16.
+    * ``grad_errors[dtype][(a, b)]`` (rank 0 only): the same pairs compared on the first step's gradient,
+      after the backward pass and before any update, by :func:`max_relative_difference`.
     * ``states[(precision, stage)]``: bytes held and at peak, and one step's traffic by operation.
     * ``torch_zero1``, ``fsdp2[reshard_after_forward]``: PyTorch's bytes per rank and traffic.
     * with ``curve_recipe``: ``curves`` (losses of ZeRO-3 in fp32, with int8 gathers, in bf16, and of
@@ -632,7 +692,7 @@ def chapter_experiments(recipe: Recipe, curve_recipe: Recipe | None = None) -> d
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    out = {"world_size": world, "rank": rank, "errors": {}, "states": {}}
+    out = {"world_size": world, "rank": rank, "errors": {}, "grad_errors": {}, "states": {}}
     for dtype_name, dtype in (("fp64", torch.float64), ("fp32", torch.float32)):
         runs = {f"ZeRO-{stage}": train_zero(recipe, stage, dtype) for stage in STAGES}
         runs["ZeroRedundancyOptimizer"] = train_torch_zero1(recipe, dtype)
@@ -643,20 +703,23 @@ def chapter_experiments(recipe: Recipe, curve_recipe: Recipe | None = None) -> d
             pairs += [("ZeRO-1", "ZeroRedundancyOptimizer"), ("ZeRO-3", "FSDP2")]
             out["errors"][dtype_name] = {(a, b): max_abs_difference(runs[a]["params"], runs[b]["params"])
                                          for a, b in pairs}  # fmt: skip
+            out["grad_errors"][dtype_name] = {(a, b): max_relative_difference(runs[a]["grads"], runs[b]["grads"])
+                                              for a, b in pairs}  # fmt: skip
     # Mixed precision: FSDP2 reducing in bf16 too (reduce_dtype=bf16) does what our mixed_precision does.
     bf16_both = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     ours, theirs = train_zero(recipe, 3, mixed_precision=True), train_fsdp2(recipe, mp_policy=bf16_both)
     if rank == 0:
         out["errors"]["bf16"] = {("ZeRO-3", "FSDP2"): max_abs_difference(ours["params"], theirs["params"])}
+        out["grad_errors"]["bf16"] = {("ZeRO-3", "FSDP2"): max_relative_difference(ours["grads"], theirs["grads"])}
     # float32 was the last dtype of the loop: its runs measured the bytes that the fp32 formulas predict.
     for stage in STAGES:
-        out["states"][("fp32", stage)] = {k: runs[f"ZeRO-{stage}"][k] for k in ("held", "peak", "traffic")}
+        out["states"][("fp32", stage)] = {k: runs[f"ZeRO-{stage}"][k] for k in ("held", "peak", "traffic", "messages")}
     out["torch_zero1"] = {k: runs["ZeroRedundancyOptimizer"][k] for k in ("optimizer_bytes", "traffic")}
     out["fsdp2"] = {True: {k: runs["FSDP2"][k] for k in ("param_bytes", "optimizer_bytes", "traffic")}}
     one_step = replace(recipe, steps=1)  # bytes held and sent are the same at every step
     for stage in STAGES:
         run = train_zero(one_step, stage, mixed_precision=True)
-        out["states"][("mixed", stage)] = {k: run[k] for k in ("held", "peak", "traffic")}
+        out["states"][("mixed", stage)] = {k: run[k] for k in ("held", "peak", "traffic", "messages")}
     for reshard in (None, False):
         out["fsdp2"][reshard] = {"traffic": train_fsdp2(one_step, reshard_after_forward=reshard)["traffic"]}
     if curve_recipe is not None:
