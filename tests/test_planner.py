@@ -43,9 +43,27 @@ def test_rejections_carry_their_reasons(llama_plan):
     reasons = llama_plan.rejected
     assert reasons["TP beyond a node"] > 0
     assert reasons["memory > 90% of 80 GB"] > 0
-    assert reasons["ZeRO-2/3 with pipeline parallelism"] > 0
     # TP16 would cross the node boundary: no ranked layout uses it.
     assert all(e.layout.tp <= 8 for e in llama_plan.ranked)
+
+
+def test_zero2_and_zero3_combine_with_pipeline_parallelism(llama_plan):
+    # FSDP2 x TP x PP is torchtitan's recipe: only DeepSpeed refuses ZeRO-2/3 under a pipeline.
+    stages = {e.layout.zero_stage for e in llama_plan.ranked if e.layout.pp > 1}
+    assert stages == {0, 1, 2, 3}
+    assert not any("ZeRO" in reason for reason in llama_plan.rejected)
+
+
+def test_data_parallel_time_charges_zero2_and_zero3_per_micro_batch():
+    # 1e9 bf16 values (2 GB) over 4 ranks at 1 GB/s, no latency: a ring reduce-scatter or all-gather sends
+    # 3/4 of 2 GB = 1.5 s, an all-reduce twice that. With 3 micro-batches ZeRO-2 reduce-scatters 3 times
+    # and gathers once; ZeRO-3 gathers twice and reduce-scatters once per micro-batch.
+    expected = {0: 3.0, 1: 3.0, 2: 3 * 1.5 + 1.5, 3: 3 * (1.5 + 1.5 + 1.5)}
+    for zero, seconds in expected.items():
+        assert planner.data_parallel_time(1e9, 4, zero, 3, alpha=0.0, bandwidth=1e9) == pytest.approx(seconds)
+    # Latency: each collective of the ring takes n - 1 = 3 steps of alpha.
+    assert planner.data_parallel_time(0, 4, 3, 2, alpha=1.0, bandwidth=1e9) == pytest.approx(2 * 3 * 3)
+    assert planner.data_parallel_time(1e9, 1, 3, 3, alpha=1.0, bandwidth=1e9) == 0.0
 
 
 def test_one_gpu_small_model_needs_no_parallelism():

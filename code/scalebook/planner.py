@@ -9,7 +9,6 @@ and a number of virtual pipeline stages v. A layout is **rejected**, with the ru
   of whole sequence-parallel shards (2 cp tp);
 - the batch does not split into dp replicas of whole micro-batches, or gives fewer micro-batches than
   pipeline stages (M >= pp; a multiple of pp for the interleaved schedule);
-- ZeRO-2/3 is combined with pipeline parallelism (every micro-batch would re-gather what they shard);
 - the busiest GPU's memory exceeds ``memory_fraction`` of its HBM: model states
   (:func:`scalebook.accounting.memory.model_state_bytes` for the largest stage, ceil(L / pp) layers)
   plus activations (:func:`scalebook.accounting.memory.activation_bytes` per layer, times the layers of
@@ -30,6 +29,19 @@ TP and DP collectives in the alpha-beta model (:func:`scalebook.accounting.comm.
 the node's link, everything else on the per-GPU network link) and the pipeline bubble of
 :func:`scalebook.accounting.pipeline.bubble_fraction`. Nothing overlaps except the data-parallel
 gradient sync, which runs under the backward pass of the last micro-batch.
+
+Data-parallel traffic per step, over the dp cp ranks that hold the same weights, with M micro-batches per
+step (gradient accumulation, or the micro-batches of a pipeline). A ZeRO stage is taken to hold, at every
+moment, only what its memory formula counts, so:
+
+    ZeRO-0: one all-reduce of the gradients        ZeRO-1: one reduce-scatter + one all-gather
+    ZeRO-2: M reduce-scatters (each micro-batch's gradients, so that only the shard is kept) + one all-gather
+    ZeRO-3: M x (all-gather for the forward, all-gather for the backward, reduce-scatter)
+
+ZeRO-2/3 combine with pipeline parallelism (DeepSpeed refuses the combination; torchtitan's FSDP2 x TP x
+PP is its standard recipe), at this per-micro-batch price. A stage that instead keeps its parameters and
+gradients gathered from the first micro-batch to the last (what ``torch.distributed.pipelining`` does
+with FSDP2) has ZeRO-1's peak memory and traffic, which the search already holds as ZeRO-1.
 
 Source: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", Sec. 3 (takeaways on combining TP, PP, DP); Grattafiori et al. 2024, "The Llama 3 Herd of
@@ -225,8 +237,6 @@ def _rule_broken(cfg: ModelConfig, lay: Layout, cluster: Cluster, seq_len: int, 
         return "fewer micro-batches than stages"
     if lay.virtual_stages > 1 and microbatches % lay.pp:
         return "interleaving needs micro-batches in multiples of PP"
-    if lay.pp > 1 and lay.zero_stage >= 2:
-        return "ZeRO-2/3 with pipeline parallelism"
     return None
 
 
@@ -274,13 +284,8 @@ def _estimate(cfg, lay: Layout, seq_len, sequences, cluster, peak, mfu, nvlink, 
         pp_message = message // lay.tp  # sequence-parallel activations: each TP rank sends its share
         pp_time = 2 * (lay.pp - 1) * (alpha + pp_message / network)  # fill and drain are exposed
     grads_per_gpu = n_params * stage_layers / L
-    dp_bytes = comm.data_parallel_bytes_per_step(grads_per_gpu / lay.tp, lay.dp * lay.cp, zero_stage=lay.zero_stage,
-                                                 grad_bytes=2, param_bytes=2)  # fmt: skip
-    dp_time = 0.0
-    if lay.dp * lay.cp > 1:
-        dp_time = dp_bytes / network + 2 * (lay.dp * lay.cp - 1) * alpha
-        if lay.zero_stage == 3:
-            dp_time *= M  # parameters gathered again for every micro-batch
+    dp_time = data_parallel_time(grads_per_gpu / lay.tp, lay.dp * lay.cp, lay.zero_stage, M, alpha=alpha,
+                                 bandwidth=network)  # fmt: skip
     dp_exposed = max(0.0, dp_time - stage_time * 2 / 3)  # hidden under the last micro-batch's backward
     step = pipeline_time + pp_time + dp_exposed
     parts = {
@@ -294,6 +299,26 @@ def _estimate(cfg, lay: Layout, seq_len, sequences, cluster, peak, mfu, nvlink, 
     model_flops = flops_per_token(cfg, seq_len=seq_len) * sequences * seq_len
     achieved = model_flops / (step * cluster.gpus * peak)
     return Estimate(lay, memory, step, parts, achieved)
+
+
+def data_parallel_time(params: float, n: int, zero_stage: int, microbatches: int, *, alpha: float,
+                       bandwidth: float) -> float:  # fmt: skip
+    """Seconds of data-parallel communication per step for ``params`` 16-bit weights and gradients per GPU
+    over ``n`` ranks, in the alpha-beta model (see the module docstring for what each stage sends)."""
+    if n == 1:
+        return 0.0
+    message = 2 * params  # bytes of bf16 gradients, or of bf16 weights
+
+    def collective(op: str) -> float:
+        return comm.alpha_beta_time(op, message, n, alpha=alpha, bandwidth=bandwidth)
+
+    if zero_stage == 0:
+        return collective("all_reduce")
+    if zero_stage == 1:
+        return collective("reduce_scatter") + collective("all_gather")
+    if zero_stage == 2:
+        return microbatches * collective("reduce_scatter") + collective("all_gather")
+    return microbatches * (2 * collective("all_gather") + collective("reduce_scatter"))
 
 
 def layout_table(estimates: list[Estimate]) -> list[list[str]]:
