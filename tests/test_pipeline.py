@@ -18,6 +18,14 @@ SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
 # float32 sums in a different order (micro-batches, per-stage backward) differ by ~1e-7 relative;
 # 1e-5 is far below any real error (a missing 1/M or a lost gradient is O(1) relative).
 TOLERANCE = 1e-5
+# Gradients are also compared tensor by tensor, relative to the tensor's largest reference entry, so that
+# a wrong factor in a tensor of small gradients cannot hide under the absolute tolerance: rounding leaves
+# ~1e-6 there, a missing 1/M leaves M - 1, a tied copy left unsummed order 1.
+RELATIVE_TOLERANCE = 1e-4
+
+
+def _relative_error(grad, reference):
+    return ((grad - reference).abs().max() / reference.abs().max()).item()
 
 
 def _batch(batch_size=8):
@@ -180,6 +188,8 @@ def _check_equivalence_and_counts(results, P, x):
         for name, expected in reference_grads.items():
             torch.testing.assert_close(result.grads[name], expected, atol=TOLERANCE, rtol=0)
             torch.testing.assert_close(result.torch_grads[name], expected, atol=TOLERANCE, rtol=0)
+            assert _relative_error(result.grads[name], expected) < RELATIVE_TOLERANCE, (run, name)
+            assert _relative_error(result.torch_grads[name], expected) < RELATIVE_TOLERANCE, (run, name)
         # Activations the autograd graph held at once, counted by saved-tensor hooks.
         expected_peaks = [acc.peak_in_flight(run.schedule, P, run.microbatches, r, virtual_stages=run.virtual_stages)
                           for r in range(P)]  # fmt: skip
@@ -188,8 +198,10 @@ def _check_equivalence_and_counts(results, P, x):
         for r in range(P):
             sent = acc.p2p_bytes_per_step(P, run.microbatches, message, rank=r, virtual_stages=run.virtual_stages)
             assert result.bytes_sent[r]["isend"] == sent
-        # The tied embedding: one all-reduce of the V x d fp32 gradient between the first and last rank.
+        # The tied embedding: one all-reduce of the V x d fp32 gradient between the first and last rank
+        # (the message size is measured; its bytes sent are the ring's 2 (2 - 1) / 2 = 1 message).
         tied = CONFIG.vocab_size * CONFIG.n_embd * 4
+        assert [m.get("all_reduce", 0) for m in result.message_bytes] == [tied] + [0] * (P - 2) + [tied]
         assert [b.get("all_reduce", 0) for b in result.bytes_sent] == [tied] + [0] * (P - 2) + [tied]
 
 

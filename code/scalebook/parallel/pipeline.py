@@ -551,9 +551,12 @@ class PipelineResult:
     events: list[list[Event]]  # per rank
     peak_in_flight: list[int]
     peak_activation_bytes: list[int]
-    bytes_sent: list[dict[str, float]]  # per rank, by torch.distributed function
+    # Per rank, by torch.distributed function: point-to-point bytes exactly as sent; a library collective's
+    # (the tied embedding's all-reduce) at the ring algorithm's cost of its recorded message.
+    bytes_sent: list[dict[str, float]]
     torch_loss: float | None = None
     torch_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    message_bytes: list[dict[str, int]] = field(default_factory=list)  # per rank: sizes handed to each call
 
     def makespan(self) -> float:
         """Seconds from the common start to the end of the last forward or backward on any rank."""
@@ -630,6 +633,7 @@ def run_pipeline(
                 bytes_sent=[part["bytes_sent"] for part in parts],
                 torch_loss=parts[-1]["torch_loss"],
                 torch_grads=merged["torch_grads"],
+                message_bytes=[part["message_bytes"] for part in parts],
             )
         )
     return results
@@ -687,6 +691,7 @@ def _pipeline_worker(config_dict: dict, runs: list[PipelineRun], inputs, targets
             "peak_in_flight": record.peak_in_flight,
             "peak_activation_bytes": record.peak_activation_bytes,
             "bytes_sent": {op: sent for op, (_, sent) in traffic.by_op().items()},
+            "message_bytes": {op: sum(c.message_bytes for c in traffic.of(op)) for op in traffic.by_op()},
             "torch_loss": None,
             "torch_grads": {},
         }
