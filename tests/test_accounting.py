@@ -119,8 +119,8 @@ def test_closed_form_of_gpt3_175b():
 # -------------------------------------------------------------------------------------------- model states
 
 
-def test_seed_gpt3_175b_memory_table():
-    # Seed slide "GPU HBM content during training", GPT-3 175B with N rounded to 175e9:
+def test_lecture_notes_gpt3_175b_memory_table():
+    # Lecture-notes slide (Xu 2026) "GPU HBM content during training", GPT-3 175B with N rounded to 175e9:
     # fp32 parameters, Adam momentum and variance 700 GB each; 16-bit parameters and gradients 350 GB each.
     states = accounting.model_state_bytes(175e9)
     assert states.rows() == [
@@ -297,8 +297,8 @@ def test_flops_per_token_with_seq_len_counts_attention():
 # ------------------------------------------------------------------------------------------- time and devices
 
 
-def test_seed_gpu_estimate_for_gpt3():
-    # Seed slide: 6 x 175B x 300B / 160 TFLOP/s / (3600 * 24 * 30 s) "= 800 GPUs needed".
+def test_lecture_notes_gpu_estimate_for_gpt3():
+    # Lecture-notes slide (Torres 2025): 6 x 175B x 300B / 160 TFLOP/s / (3600 * 24 * 30 s) "= 800 GPUs needed".
     # 6 * 175e9 * 300e9 = 3.15e23 FLOPs; one GPU over 30 days: 160e12 * 2,592,000 = 4.1472e20 FLOPs;
     # 3.15e23 / 4.1472e20 = 759.55, so 760 GPUs, "about 800".
     assert accounting.devices_needed(175e9, 300e9, days=30, peak_flops=160e12, mfu=1.0) == 760

@@ -187,7 +187,7 @@ def test_a_dtype_the_chip_lacks_names_the_ones_it_has():
         configs.get_hardware("v100-sxm2-32gb").peak("bf16")
 
 
-def test_nvlink_generations_as_the_seed_quotes_them():
+def test_nvlink_generations_as_the_lecture_notes_quote_them():
     # NVLink 3.0 600 GB/s (2020), 4.0 900 GB/s (2022), 5.0 1.8 TB/s (2025), 6.0 3.6 TB/s (2026):
     # vendor figures add both directions.
     bidirectional = [configs.get_link(f"nvlink-{g}").bidirectional_bandwidth for g in (3, 4, 5, 6)]
