@@ -107,27 +107,37 @@ def backend_and_device(local_rank: int = 0) -> tuple[str, torch.device]:
 def init_from_env(timeout: float = 600.0) -> DistEnv:
     """Initialise the default process group from the launcher's environment and return it.
 
-    Under ``torchrun`` this is PyTorch's standard path, ``init_process_group(backend)`` with the default
-    ``env://``: the ranks join the store of torchrun's agent, which starts a fresh one for every restart, so
-    restarted ranks never meet their dead predecessors' keys. Ranks started by ``srun`` alone have no
-    RANK/WORLD_SIZE variables and no agent: their rank and world size come from SLURM's variables, and rank
-    0 hosts the store at the address :func:`detect_env` derived (``tcp://``).
+    Under ``torchrun`` this is PyTorch's standard path: ``init_process_group(backend)``, whose default
+    ``env://`` reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. One exception: since PyTorch 2.4,
+    torchrun's agent hosts one store for the whole job (TORCHELASTIC_USE_AGENT_STORE=True) and keeps it
+    across ``--max-restarts`` restarts, while the default group's keys do not name the attempt, so a
+    restarted rank can read the address of its dead predecessor and hang or fail to connect (pytorch
+    issue #135712). There the same ``env://`` store gets a prefix per attempt. TORCHELASTIC_RESTART_COUNT
+    counts the restarts of one node's agent only (pytorch issue #108158): in a multi-node job with restarts,
+    start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives every rendezvous round a fresh
+    store and takes the plain ``env://`` path here.
+
+    Ranks started by ``srun`` alone have no RANK/WORLD_SIZE variables and no agent: their rank and world
+    size come from SLURM's variables, and rank 0 hosts the store at the address :func:`detect_env`
+    derived (``tcp://``).
     """
     env = detect_env()
     backend, device = backend_and_device(env.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        if env.launcher == "torchrun":
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))  # init_method="env://"
-        else:
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                rank=env.rank,
-                world_size=env.world_size,
-                timeout=timedelta(seconds=timeout),
-            )
+    if dist.is_initialized():
+        return env
+    wait = timedelta(seconds=timeout)
+    if env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store, _, _ = next(dist.rendezvous("env://", timeout=wait))  # a client of the agent's store
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"scalebook/attempt{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=wait)
+    elif env.launcher == "torchrun":
+        dist.init_process_group(backend, timeout=wait)  # init_method="env://"
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
+                                world_size=env.world_size, timeout=wait)  # fmt: skip
     return env
 
 
