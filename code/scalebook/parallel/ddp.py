@@ -479,8 +479,8 @@ def train_data_parallel(
     ``keep_params``, the final ``params``; with ``keep_grads``, the ``grads`` of the first step as the
     optimizer receives them (averaged over ranks, not yet clipped). ``tokens``, ``dtype`` and ``all_reduce``
     are as in :class:`DataParallelRun`. With a from-scratch ``all_reduce`` (say ``"ring"``) the bytes are
-    counted at its ``isend`` calls, so they are measured; with the library's, ``count_traffic`` can only
-    charge each call the ring algorithm's bytes.
+    counted at its ``isend`` calls, so they are measured (and ``calls`` counts its ``isend``/``irecv``
+    calls); with the library's, ``count_traffic`` can only charge each call the ring algorithm's bytes.
     """
     run = DataParallelRun(
         version, model_config, train_config, bucket_cap_mb=bucket_cap_mb, tokens=tokens, dtype=dtype, probe=True,
