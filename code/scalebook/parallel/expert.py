@@ -381,6 +381,17 @@ def train_load_balance(
     """
     if balancing not in BALANCING:
         raise ValueError(f"balancing must be one of {BALANCING}, got {balancing!r}")
+    # Matrices this small gain nothing from a second thread, and on a busy machine the threads' waiting
+    # for each other costs many times the work; one thread also makes the run bit-identical everywhere.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_load_balance(balancing, steps, batch_size, seq_len, lr, seed, moe_config)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_load_balance(balancing, steps, batch_size, seq_len, lr, seed, moe_config) -> dict[str, list[float]]:
     torch.manual_seed(seed)
     model = MoELanguageModel(block_size=seq_len, moe_config=moe_config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
