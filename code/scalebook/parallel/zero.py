@@ -554,7 +554,7 @@ def train_single_process(recipe: Recipe, world_size: int, dtype: torch.dtype = t
 def message_bytes(traffic) -> dict[str, int]:
     """``{op: bytes}``: the sizes of the messages this rank handed to each collective, added up.
 
-    :func:`scalebook.dist.count_traffic` records these sizes as the calls were made; the bytes it reports
+    :func:`scalebook.dist.traffic.count_traffic` records these sizes as the calls were made; the bytes it reports
     *sent* by a library collective are the ring algorithm's formula applied to them.
     """
     return {op: sum(call.message_bytes for call in traffic.of(op)) for op in dict.fromkeys(c.op for c in traffic.calls)}
