@@ -17,6 +17,9 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (scalebook)" > /dev/null
+	@# Build matplotlib's font cache now: on a fresh machine its one-time notice would otherwise go to a
+	@# chapter's stderr, which the book build treats as a warning (_config.yml, stderr_output: warn).
+	$(BIN)/python -c "import matplotlib.font_manager" 2> /dev/null
 	@touch $@
 
 ## book: execute every notebook (cached) and build the offline site into _build/html
