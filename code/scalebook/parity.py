@@ -143,6 +143,25 @@ def compare_losses(
     return ParityReport(reference, float(tolerance), tuple(layouts), quantity)
 
 
+def max_relative_difference(a: dict, b: dict) -> float:
+    """Largest difference between two sets of named tensors (gradients, say), each tensor's relative to
+    ``b``'s largest entry (``b`` is the reference).
+
+    Per tensor, so that a wrong scale in a tensor of small gradients (a bias, a LayerNorm) is not hidden
+    by the size of the others: ``max over names of max |a - b| / max |b|``.
+    """
+    if a.keys() != b.keys():
+        raise ValueError(f"different names: {sorted(a.keys() ^ b.keys())}")
+    worst = 0.0
+    for name in a:
+        x, y = a[name].double(), b[name].double()
+        scale = y.abs().max().item()
+        if scale == 0.0:
+            raise ValueError(f"{name} of the reference is all zeros: nothing to compare relative to")
+        worst = max(worst, (x - y).abs().max().item() / scale)
+    return worst
+
+
 def read_losses(path: str | Path) -> list[float]:
     """Losses from a file: a JSON list, or one number per line (blank lines ignored)."""
     text = Path(path).read_text()

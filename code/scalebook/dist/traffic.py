@@ -70,7 +70,18 @@ class Traffic:
     def by_op(self) -> dict[str, tuple[int, float]]:
         """``{op: (calls, bytes sent)}`` in the order the operations first appeared."""
         calls = Counter(c.op for c in self.calls)
-        return {op: (calls[op], self.bytes_sent(op)) for op in dict.fromkeys(c.op for c in self.calls)}
+        return {op: (calls[op], self.bytes_sent(op)) for op in self._ops()}
+
+    def message_bytes_by_op(self) -> dict[str, int]:
+        """``{op: bytes}``: the sizes of the messages handed to each operation, added up, as recorded.
+
+        Unlike ``bytes_sent`` of a library collective (the ring algorithm's formula applied to these
+        sizes), these are what the calls were given.
+        """
+        return {op: sum(c.message_bytes for c in self.of(op)) for op in self._ops()}
+
+    def _ops(self) -> list[str]:
+        return list(dict.fromkeys(c.op for c in self.calls))
 
     def clear(self) -> None:
         self.calls.clear()

@@ -691,7 +691,7 @@ def _pipeline_worker(config_dict: dict, runs: list[PipelineRun], inputs, targets
             "peak_in_flight": record.peak_in_flight,
             "peak_activation_bytes": record.peak_activation_bytes,
             "bytes_sent": {op: sent for op, (_, sent) in traffic.by_op().items()},
-            "message_bytes": {op: sum(c.message_bytes for c in traffic.of(op)) for op in traffic.by_op()},
+            "message_bytes": traffic.message_bytes_by_op(),
             "torch_loss": None,
             "torch_grads": {},
         }

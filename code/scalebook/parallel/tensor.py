@@ -57,6 +57,7 @@ from scalebook.parallel.sequence import (
     mark_sequence_parallel,
     reduce_scatter_to_sequence_parallel_region,
 )
+from scalebook.parity import max_relative_difference
 
 # ------------------------------------------------------------------------------------------ the layout
 
@@ -484,19 +485,6 @@ def _traffic_by_op(traffic) -> dict[str, tuple[int, float]]:
     return {op: (count, float(sent)) for op, (count, sent) in traffic.by_op().items()}
 
 
-def _messages_by_op(traffic) -> dict[str, int]:
-    """``{op: bytes}``: the sizes of the messages handed to each collective, as they were recorded."""
-    return {op: sum(call.message_bytes for call in traffic.of(op)) for op in dict.fromkeys(c.op for c in traffic.calls)}
-
-
-def max_relative_gradient_error(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    """``max over parameters of max |g - g_ref| / max |g_ref|``: each tensor against its own scale, so that a
-    wrong factor in a tensor of small gradients (a LayerNorm, a bias) is not hidden by the larger ones."""
-    if grads.keys() != reference.keys():
-        raise ValueError(f"different parameter names: {sorted(grads.keys() ^ reference.keys())}")
-    return max(((grads[n] - g).abs().max() / g.abs().max()).item() for n, g in reference.items())
-
-
 def _bytes_by_sharding(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
     """Bytes of the tensors of sharded parameters and of replicated ones, by the parameter names."""
     sharded = [t for name, t in tensors.items() if sharding_of(name) is not None]
@@ -533,7 +521,7 @@ def measure_tensor_parallel(
     Every rank builds the same GPT and batch of real text, computes the reference loss and gradients,
     then for each ``tp`` in ``tps`` (groups of consecutive ranks) and with and without sequence
     parallelism: the loss and gathered gradients of the sharded model and their largest deviation from
-    the reference (``grad_error`` absolute, ``grad_rel_error`` by :func:`max_relative_gradient_error`); the
+    the reference (``grad_error`` absolute, ``grad_rel_error`` by :func:`scalebook.parity.max_relative_difference`); the
     communication calls, message bytes and ring bytes sent of one block's forward and backward pass and
     of the whole model; the activation bytes saved for backward inside the blocks; the parameter bytes.
     Returns ``{"reference": {...}, (tp, sp): {...}, ...}`` as seen by this rank.
@@ -582,13 +570,13 @@ def measure_tensor_parallel(
                 "loss": loss.item(),
                 "loss_error": abs(loss.item() - ref_loss.item()),
                 "grad_error": max((grads[n] - g).abs().max().item() for n, g in ref_grads.items()),
-                "grad_rel_error": max_relative_gradient_error(grads, ref_grads),
+                "grad_rel_error": max_relative_difference(grads, ref_grads),
                 "logits_shape": tuple(logits.shape),
                 "activation_bytes": saved.in_layers,
                 "layer_forward": _traffic_by_op(layer_forward),
                 "layer_backward": _traffic_by_op(layer_backward),
-                "layer_forward_messages": _messages_by_op(layer_forward),
-                "layer_backward_messages": _messages_by_op(layer_backward),
+                "layer_forward_messages": layer_forward.message_bytes_by_op(),
+                "layer_backward_messages": layer_backward.message_bytes_by_op(),
                 "model_forward": _traffic_by_op(forward),
                 "model_backward": _traffic_by_op(backward),
                 "grad_sync": _traffic_by_op(grad_sync),

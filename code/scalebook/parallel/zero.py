@@ -46,6 +46,7 @@ from scalebook import data
 from scalebook.dist import count_traffic
 from scalebook.measure import StateBytes  # bytes by kind; the fp32 master weights count as optimizer state
 from scalebook.model import GPT, GPTConfig
+from scalebook.parity import max_relative_difference
 
 STAGES = (0, 1, 2, 3)
 QUANT_BLOCK = 256  # values sharing one int8 scale in the quantized all-gather
@@ -551,15 +552,6 @@ def train_single_process(recipe: Recipe, world_size: int, dtype: torch.dtype = t
             "grads": grads}  # fmt: skip
 
 
-def message_bytes(traffic) -> dict[str, int]:
-    """``{op: bytes}``: the sizes of the messages this rank handed to each collective, added up.
-
-    :func:`scalebook.dist.traffic.count_traffic` records these sizes as the calls were made; the bytes it reports
-    *sent* by a library collective are the ring algorithm's formula applied to them.
-    """
-    return {op: sum(call.message_bytes for call in traffic.of(op)) for op in dict.fromkeys(c.op for c in traffic.calls)}
-
-
 def train_zero(recipe: Recipe, stage: int, dtype: torch.dtype = torch.float32, **options) -> dict:
     """Our ZeRO ``stage`` on this rank: final parameters, losses, the first step's averaged gradients
     (:meth:`ZeRO0.full_gradients`), held and peak bytes, and the collectives of the last step: ``traffic``
@@ -572,7 +564,8 @@ def train_zero(recipe: Recipe, stage: int, dtype: torch.dtype = torch.float32, *
         if grads is None:  # gathered outside the count: the step's traffic stays the step's own
             grads = engine.full_gradients()
     return {"params": engine.full_parameters(), "losses": losses, "grads": grads, "held": engine.held_bytes(),
-            "peak": engine.peak_bytes, "traffic": traffic.by_op(), "messages": message_bytes(traffic)}  # fmt: skip
+            "peak": engine.peak_bytes, "traffic": traffic.by_op(),
+            "messages": traffic.message_bytes_by_op()}  # fmt: skip
 
 
 def _train_reference(model: nn.Module, optimizer, recipe: Recipe, full_gradients) -> tuple[list[float], dict, object]:
@@ -657,24 +650,6 @@ def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max((a[name].double() - b[name].double()).abs().max().item() for name in a)
 
 
-def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest difference between two sets of named tensors, each tensor's relative to ``b``'s largest entry.
-
-    Per tensor, so that a wrong scale in a tensor of small gradients (a bias, a LayerNorm) is not hidden
-    by the size of the others: ``max over names of max |a - b| / max |b|``.
-    """
-    if a.keys() != b.keys():
-        raise ValueError(f"different names: {sorted(a.keys() ^ b.keys())}")
-    worst = 0.0
-    for name in a:
-        x, y = a[name].double(), b[name].double()
-        scale = y.abs().max().item()
-        if scale == 0.0:
-            raise ValueError(f"{name} of the reference is all zeros: nothing to compare relative to")
-        worst = max(worst, (x - y).abs().max().item() / scale)
-    return worst
-
-
 def chapter_experiments(recipe: Recipe, curve_recipe: Recipe | None = None) -> dict:
     """Every run of Chapter 11 on this rank, reduced to numbers (run it with ``scalebook.dist.launch``).
 
@@ -683,7 +658,7 @@ def chapter_experiments(recipe: Recipe, curve_recipe: Recipe | None = None) -> d
       four stages, PyTorch's ZeRO-1 (``ZeroRedundancyOptimizer``) and FSDP2; in float64 and in float32,
       and (``"bf16"``) our mixed-precision stage 3 against FSDP2 reducing in bf16.
     * ``grad_errors[dtype][(a, b)]`` (rank 0 only): the same pairs compared on the first step's gradient,
-      after the backward pass and before any update, by :func:`max_relative_difference`.
+      after the backward pass and before any update, by :func:`scalebook.parity.max_relative_difference`.
     * ``states[(precision, stage)]``: bytes held and at peak, and one step's traffic by operation.
     * ``torch_zero1``, ``fsdp2[reshard_after_forward]``: PyTorch's bytes per rank and traffic.
     * with ``curve_recipe``: ``curves`` (losses of ZeRO-3 in fp32, with int8 gathers, in bf16, and of
