@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from scalebook.dist import LaunchError, count_traffic, launch
-from scalebook.dist.collectives import (
+from scalebook.comm import LaunchError, count_traffic, launch
+from scalebook.comm.collectives import (
     ALL_REDUCES,
     compare_all_reduces,
     labelled_tensor,
@@ -245,7 +245,7 @@ def test_compare_all_reduces_rebuilds_inputs_and_counts_gloo_as_a_ring(reports):
 
 
 def test_a_failing_rank_fails_the_launch_with_its_message():
-    from scalebook.dist.collectives import all_reduce_with_a_failing_rank
+    from scalebook.comm.collectives import all_reduce_with_a_failing_rank
 
     with pytest.raises(LaunchError, match="rank 1 of 2 raised first") as info:
         launch(all_reduce_with_a_failing_rank, 2, 1, timeout=30)

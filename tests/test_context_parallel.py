@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scalebook.dist import launch
+from scalebook.comm import launch
 from scalebook.parallel import context
 
 # Float32 sums over different block orders differ in the last bits: ~1e-6 here, so 1e-5 is a safe bound.

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch.distributed as dist
 
-from scalebook.dist import launch
-from scalebook.dist.costmodel import AlphaBeta, fit_alpha_beta, link_latency, link_model, time_all_reduce
+from scalebook.comm import launch
+from scalebook.comm.costmodel import AlphaBeta, fit_alpha_beta, link_latency, link_model, time_all_reduce
 
 SIZES = [2**k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from scalebook import configs, data
 from scalebook.accounting import data_parallel_bytes_per_step, training_flops_with_attention
-from scalebook.dist import launch
+from scalebook.comm import launch
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel.ddp import (
     MIB,

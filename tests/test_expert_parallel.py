@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from scalebook.dist import launch
+from scalebook.comm import launch
 from scalebook.parallel import expert
 
 # Float32 sums of the same terms in another order (all-reduce of router gradients): ~1e-8 here, against

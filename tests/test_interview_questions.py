@@ -55,7 +55,7 @@ def _tp_layer_share(tp: int, link: str, alpha: float) -> float:
 
 def _hierarchical_all_reduce_seconds() -> float:
     """Chapter 9, exercise 4: 350 GB reduced inside nodes of 8, across 128 nodes, gathered inside."""
-    from scalebook.dist import costmodel
+    from scalebook.comm import costmodel
 
     nvl, ib = costmodel.link_model("nvlink-3"), costmodel.link_model("infiniband-hdr")
     m = 350e9
@@ -63,7 +63,7 @@ def _hierarchical_all_reduce_seconds() -> float:
 
 
 def _flat_all_reduce_seconds(link: str) -> float:
-    from scalebook.dist import costmodel
+    from scalebook.comm import costmodel
 
     return costmodel.link_model(link).time("all_reduce", 350e9, 1024)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from scalebook import labs
-from scalebook.dist import launch
+from scalebook.comm import launch
 from scalebook.model import GPTConfig
 from scalebook.parallel.ddp import run_experiments
 

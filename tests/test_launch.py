@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from scalebook.dist import LaunchError, detect_env, launch
-from scalebook.dist.launch import _first_host
+from scalebook.comm import LaunchError, detect_env, launch
+from scalebook.comm.launch import _first_host
 
 
 def all_reduce_rank_plus_one():

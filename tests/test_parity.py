@@ -5,7 +5,7 @@ import json
 import pytest
 
 from scalebook import labs, parity
-from scalebook.dist import launch
+from scalebook.comm import launch
 
 
 def test_report_names_the_first_step_beyond_the_tolerance():

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from scalebook import accounting, configs, data
-from scalebook.dist import launch
+from scalebook.comm import launch
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel.sequence import all_reduce_sequence_parallel_grads
 from scalebook.parallel.tensor import (

@@ -11,7 +11,7 @@ from scalebook.accounting.comm import (
     data_parallel_bytes_per_step,
     tensor_parallel_bytes_per_layer,
 )
-from scalebook.dist import count_traffic, launch
+from scalebook.comm import count_traffic, launch
 
 # --- closed forms -------------------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from scalebook import accounting
 from scalebook.accounting.comm import data_parallel_bytes_per_step
-from scalebook.dist import count_traffic, launch
+from scalebook.comm import count_traffic, launch
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel import zero
 

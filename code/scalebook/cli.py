@@ -2,7 +2,7 @@
 
 The same command trains on one CPU process, on N local ranks under ``torchrun``, or on a GPU cluster
 under ``srun`` (SLURM's variables are read when torchrun's are absent): gloo on CPUs, NCCL on GPUs,
-chosen by :func:`scalebook.dist.launch.backend_and_device`. Every rank draws the same global batch of
+chosen by :func:`scalebook.comm.launch.backend_and_device`. Every rank draws the same global batch of
 ``--global-batch`` sequences and keeps its data-parallel slice, cut into micro-batches of
 ``--micro-batch``; so the logged loss (the mean over the global batch) is the same whatever the number
 of ranks, which is how a run on 4 ranks is checked against one on a single process.
@@ -525,7 +525,7 @@ def _load_local(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state:
 def run(args: argparse.Namespace) -> list[float]:
     """Train as ``args`` say on this process's rank; return the per-step losses (rank 0 logs them)."""
     from scalebook import checkpoint, data
-    from scalebook.dist import backend_and_device, detect_env, init_from_env
+    from scalebook.comm import backend_and_device, detect_env, init_from_env
     from scalebook.measure import model_state_bytes
     from scalebook.model import GPT, GPTConfig
     from scalebook.train import TrainConfig, autocast_context, lr_at, make_optimizer
@@ -758,7 +758,7 @@ def run_local(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from scalebook.dist import detect_env
+    from scalebook.comm import detect_env
 
     parser = build_parser()
     args = parser.parse_args(argv)

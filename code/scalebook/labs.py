@@ -3,7 +3,7 @@
 Chapter 16's six labs. Each pairs a small, DELIBERATELY BROKEN variant of code from Chapters 7-13 with
 the symptom it produces, a tool that diagnoses it, and the fix. Broken code is selected by a variant
 whose name starts with ``"broken"``; it lives here, not in the modules it imitates, and must never be
-copied. Worker functions (``*_lab``) run on the ranks of :func:`scalebook.dist.launch`.
+copied. Worker functions (``*_lab``) run on the ranks of :func:`scalebook.comm.launch`.
 
 1. The hang (:func:`sync_and_check_stop`, :func:`diagnose_hang`): ranks issue collectives in different
    orders. gloo waits for the process-group timeout; ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` compares each
@@ -14,7 +14,7 @@ copied. Worker functions (``*_lab``) run on the ranks of :func:`scalebook.dist.l
    number of micro-batches, or averaged per micro-batch although their token counts differ.
 3. ``no_sync`` misuse (:func:`no_sync_lab`): the last micro-batch also skips the all-reduce (replicas
    drift apart, caught by :func:`rank_checksums`), or no micro-batch skips it (correct but
-   ``grad_accum`` times the traffic, caught by :func:`scalebook.dist.traffic.count_traffic`).
+   ``grad_accum`` times the traffic, caught by :func:`scalebook.comm.traffic.count_traffic`).
 4. Unsynchronized randomness (:func:`randomness_lab`): tensor-parallel ranks initialised from different
    seeds; data-parallel ranks reading the same batch.
 5. Parity across layouts (:func:`parity_lab`): DP, TP and PP from one seed against one process, their
@@ -52,8 +52,8 @@ from scalebook.accounting.comm import bytes_sent_per_rank
 from scalebook.accounting.memory import activation_bytes, model_state_bytes
 from scalebook.configs import ModelConfig, gpt_like
 from scalebook.data import default_corpus, get_batch, tokenize
-from scalebook.dist import count_traffic, launch
-from scalebook.dist.launch import LaunchError
+from scalebook.comm import count_traffic, launch
+from scalebook.comm.launch import LaunchError
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel.ddp import BucketedDDP, TorchDDPProbe, probed_allreduce_hook
 from scalebook.parallel.pipeline import GPTStage, build_schedule, run_schedule, stage_layers, sync_tied_embedding
@@ -384,7 +384,7 @@ def no_sync_lab(
 
     Per variant: the cross-rank parameter checksums after each step (:func:`rank_checksums`), the
     all-reduce calls and bytes of each step (a communication hook makes DDP's all-reduces visible to
-    :func:`~scalebook.dist.traffic.count_traffic`), and ``expected_bytes``, one ring all-reduce of every
+    :func:`~scalebook.comm.traffic.count_traffic`), and ``expected_bytes``, one ring all-reduce of every
     gradient (:func:`scalebook.accounting.comm.bytes_sent_per_rank`).
     """
     variants = _check_variants(variants, NO_SYNC_VARIANTS)

@@ -9,6 +9,6 @@
     expert     mixture of experts and expert parallelism (all-to-all dispatch and combine)
     mesh       N-D process groups (DP x TP x PP x CP x EP) and 3-D training
 
-Every strategy runs on CPU ranks with gloo (see :func:`scalebook.dist.launch`) and on GPUs with NCCL,
+Every strategy runs on CPU ranks with gloo (see :func:`scalebook.comm.launch`) and on GPUs with NCCL,
 and is tested against PyTorch's own implementation and against single-process training.
 """

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from scalebook import measure
-from scalebook.dist import count_traffic, launch
+from scalebook.comm import count_traffic, launch
 
 SPLITS = ("zigzag", "contiguous")
 
@@ -356,7 +356,7 @@ def compare_ring_attention(
     seed: int = 0,
     timed_seq_len: int | None = None,
 ) -> dict[str, dict]:
-    """On every rank of the default group (run it with :func:`scalebook.dist.launch`): ring attention
+    """On every rank of the default group (run it with :func:`scalebook.comm.launch`): ring attention
     against :func:`causal_attention` on the whole sequence, for each split in ``splits``.
 
     Every rank draws the same Q, K, V and output gradient, computes the one-rank reference and ring

@@ -56,8 +56,8 @@ from scalebook.accounting.flops import training_flops_with_attention
 from scalebook.accounting.params import param_count
 from scalebook.configs import ModelConfig
 from scalebook.data import default_corpus, get_batch, tokenize
-from scalebook.dist.collectives import ALL_REDUCES
-from scalebook.dist.traffic import count_traffic
+from scalebook.comm.collectives import ALL_REDUCES
+from scalebook.comm.traffic import count_traffic
 from scalebook.model import GPT, GPTConfig
 from scalebook.train import TrainConfig, lr_at, make_optimizer
 
@@ -100,14 +100,14 @@ class DataParallel(nn.Module):
     """What the three versions share: hold the module, broadcast rank 0's weights, ``no_sync()``.
 
     ``all_reduce`` is the collective that sums the gradients: ``None`` for the library's
-    ``dist.all_reduce``, or a from-scratch one such as ``scalebook.dist.collectives.ring_all_reduce``
+    ``dist.all_reduce``, or a from-scratch one such as ``scalebook.comm.collectives.ring_all_reduce``
     (called as ``all_reduce(tensor, group)``, blocking), whose every ``isend`` ``count_traffic`` sees.
     """
 
     def __init__(self, module: nn.Module, process_group=None, *, all_reduce: Callable | None = None):
         if not dist.is_initialized():
             raise ValueError(
-                "no process group: run under scalebook.dist.launch or torchrun, after dist.init_process_group"
+                "no process group: run under scalebook.comm.launch or torchrun, after dist.init_process_group"
             )
         if not any(p.requires_grad for p in module.parameters()):
             raise ValueError("the module has no parameter that requires a gradient: there is nothing to average")
@@ -308,7 +308,7 @@ VERSIONS = {"allreduce": AllReduceDDP, "bucketed": BucketedDDP, "overlapped": Ov
 REFERENCES = ("torch", "single")
 
 
-# ----- Experiments: run on every rank of a launch (scalebook.dist.launch) ---------------------------------
+# ----- Experiments: run on every rank of a launch (scalebook.comm.launch) ---------------------------------
 
 
 @dataclass
@@ -357,7 +357,7 @@ class DataParallelRun:
     from a different seed (``seed + rank``): only the broadcast from rank 0 makes them equal. With
     ``probe``, all-reduces are recorded as :class:`Span` objects (for torch DDP through
     :func:`probed_allreduce_hook`). ``all_reduce`` is ``"library"`` (``dist.all_reduce``) or one of the
-    from-scratch all-reduces of :mod:`scalebook.dist.collectives` (``"ring"``, ``"tree"``, ``"naive"``), for
+    from-scratch all-reduces of :mod:`scalebook.comm.collectives` (``"ring"``, ``"tree"``, ``"naive"``), for
     every version. With ``record_grads``, each step keeps in ``grads`` the gradients the optimizer receives,
     before clipping.
     """
@@ -382,7 +382,7 @@ class DataParallelRun:
         if train_config.seq_len > model_config.block_size:
             raise ValueError(f"seq_len {train_config.seq_len} exceeds block_size {model_config.block_size}")
         if version != "single" and not dist.is_initialized():
-            raise ValueError(f"version {version!r} needs a process group: run it under scalebook.dist.launch")
+            raise ValueError(f"version {version!r} needs a process group: run it under scalebook.comm.launch")
         self.version, self.cfg = version, train_config
         self.rank, self.world_size = (0, 1) if version == "single" else (dist.get_rank(), dist.get_world_size())
         self.tokens = _corpus_tokens() if tokens is None else tokens
@@ -474,7 +474,7 @@ def train_data_parallel(
 
     Each rank takes ``batch_size * grad_accum`` sequences per step, so the global batch is that times the
     world size. Returns ``losses`` (the global mean loss of each step), ``step_times`` (s), the collective
-    ``calls`` and ``bytes_sent`` of each step (counted by :func:`scalebook.dist.traffic.count_traffic`; for
+    ``calls`` and ``bytes_sent`` of each step (counted by :func:`scalebook.comm.traffic.count_traffic`; for
     ``"torch"`` through a communication hook), the last step's ``spans`` and ``buckets``, and, with
     ``keep_params``, the final ``params``; with ``keep_grads``, the ``grads`` of the first step as the
     optimizer receives them (averaged over ranks, not yet clipped). ``tokens``, ``dtype`` and ``all_reduce``

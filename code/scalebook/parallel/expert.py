@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalebook import data
-from scalebook.dist import count_traffic, launch
+from scalebook.comm import count_traffic, launch
 from scalebook.model import CausalSelfAttention, GPTConfig
 
 BALANCING = ("none", "aux_loss", "bias")
@@ -268,7 +268,7 @@ def dispatch_bytes_per_rank(tokens: int, config: MoEConfig, ep: int, *, dtype_by
 
 
 def compare_expert_parallel(*, tokens_per_rank: int = 32, config: MoEConfig | None = None, seed: int = 0) -> dict:
-    """On every rank (run it with :func:`scalebook.dist.launch`): expert-parallel MoE against one :class:`MoE`
+    """On every rank (run it with :func:`scalebook.comm.launch`): expert-parallel MoE against one :class:`MoE`
     holding all experts, with one group per rank.
 
     The loss is a weighted mean over tokens: the reference takes it over all ep * tokens_per_rank tokens,

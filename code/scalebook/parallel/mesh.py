@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scalebook import data
-from scalebook.dist import launch
+from scalebook.comm import launch
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel.pipeline import build_schedule, stage_layers
 from scalebook.parallel.tensor import (

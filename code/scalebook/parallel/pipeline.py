@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalebook.accounting.pipeline import layout_problems
-from scalebook.dist import count_traffic, launch
+from scalebook.comm import count_traffic, launch
 from scalebook.model import GPT, GPTConfig
 
 # ----- stages --------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from scalebook import data, measure
 from scalebook.accounting.comm import alpha_beta_time
 from scalebook.accounting.params import layer_matmul_weights
 from scalebook.configs import ModelConfig
-from scalebook.dist import count_traffic, launch
+from scalebook.comm import count_traffic, launch
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel.sequence import (
     all_gather_linear,
@@ -516,7 +516,7 @@ def _check_study(config: GPTConfig, tps: tuple[int, ...], world: int, seq_len: i
 def measure_tensor_parallel(
     tps: tuple[int, ...] = (2, 4), *, size: str = "tiny", seq_len: int = 64, micro_batch: int = 4, seed: int = 0
 ) -> dict:
-    """Run on ``max(tps)`` ranks (:func:`scalebook.dist.launch`): compare TP and TP+SP with the unsharded GPT.
+    """Run on ``max(tps)`` ranks (:func:`scalebook.comm.launch`): compare TP and TP+SP with the unsharded GPT.
 
     Every rank builds the same GPT and batch of real text, computes the reference loss and gradients,
     then for each ``tp`` in ``tps`` (groups of consecutive ranks) and with and without sequence

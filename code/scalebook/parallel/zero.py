@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scalebook import data
-from scalebook.dist import count_traffic
+from scalebook.comm import count_traffic
 from scalebook.measure import StateBytes  # bytes by kind; the fp32 master weights count as optimizer state
 from scalebook.model import GPT, GPTConfig
 from scalebook.parity import max_relative_difference
@@ -469,7 +469,7 @@ def zero_data_parallel(model: nn.Module, stage: int, **options) -> ZeRO0:
 def _check_arguments(model, wrap, lr, betas, eps, weight_decay) -> None:
     problems = []
     if not dist.is_initialized():
-        problems.append("no process group: run under scalebook.dist.launch or torchrun (dist.init_process_group)")
+        problems.append("no process group: run under scalebook.comm.launch or torchrun (dist.init_process_group)")
     params = list(model.parameters())
     if not params:
         problems.append("the model has no parameters")
@@ -651,7 +651,7 @@ def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 
 def chapter_experiments(recipe: Recipe, curve_recipe: Recipe | None = None) -> dict:
-    """Every run of Chapter 11 on this rank, reduced to numbers (run it with ``scalebook.dist.launch``).
+    """Every run of Chapter 11 on this rank, reduced to numbers (run it with ``scalebook.comm.launch``).
 
     * ``errors[dtype][(a, b)]`` (rank 0 only): the largest absolute difference of the parameters after
       ``recipe.steps`` AdamW steps between methods ``a`` and ``b``: one process on the global batch, our

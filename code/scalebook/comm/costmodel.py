@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from scalebook.accounting.comm import alpha_beta_time
 from scalebook.configs import get_link
-from scalebook.dist.collectives import ALL_REDUCES, library_all_reduce
+from scalebook.comm.collectives import ALL_REDUCES, library_all_reduce
 
 # Seconds per ring step, NCCL's hwLat[...][Ring][Simple]; network covers InfiniBand and RoCE.
 NCCL_STEP_LATENCY = {"nvlink": 3.4e-6, "pcie": 5.7e-6, "network": 9.6e-6}
@@ -122,7 +122,7 @@ def time_all_reduce(
     """Worker: seconds per all-reduce of each message size, on the first ``k`` ranks for each ``k``.
 
     ``algorithm`` is ``"library"`` (``dist.all_reduce``) or one of the from-scratch ``"ring"``, ``"tree"``,
-    ``"naive"`` of :mod:`scalebook.dist.collectives`. Each measurement starts after a barrier and is the
+    ``"naive"`` of :mod:`scalebook.comm.collectives`. Each measurement starts after a barrier and is the
     slowest rank's time, since the collective is done only when every rank is; the result per size is the
     median over ``repeats`` (after ``warmup`` untimed calls). Messages are float32 tensors of
     ``message_bytes / 4`` elements. Every rank returns ``{k: [median seconds per size]}`` for the groups it

@@ -16,7 +16,7 @@ tree and the naive exchange add the same numbers in other orders, so with floats
 (each of the n-1 additions rounds once); with integer-valued tensors every order is exact.
 
 Only ``torch.distributed.isend``/``irecv``/``send``/``recv`` move data here, called through the module so
-that :func:`scalebook.dist.traffic.count_traffic` measures the bytes.
+that :func:`scalebook.comm.traffic.count_traffic` measures the bytes.
 
 Source: Patarasuk and Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations"
 (ring); Thakur, Rabenseifner and Gropp 2005, "Optimization of Collective Communication Operations in MPICH"
@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from scalebook.dist.traffic import count_traffic
+from scalebook.comm.traffic import count_traffic
 
 GLOO_MAX_SEGMENT_BYTES = 1 << 20  # gloo's AllreduceOptions::kMaxSegmentSize
 ENV_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -195,7 +195,7 @@ def library_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return tensor
 
 
-# --- Workers for the chapter: run under scalebook.dist.launch, return plain data. -------------------------
+# --- Workers for the chapter: run under scalebook.comm.launch, return plain data. -------------------------
 
 
 def labelled_tensor(rank: int, n: int, elements: int | None = None) -> torch.Tensor:
@@ -295,7 +295,7 @@ def compare_all_reduces(numel: int, *, seed: int = 0) -> dict:
     rank's input. Returns ``{kind: {"input": tensor, "output": {name: tensor}, "bytes_sent": {name: bytes},
     "messages": {name: sends}}}`` for kinds ``float`` (standard normal) and ``integer`` (whole numbers in
     [-1000, 1000)), names ``gloo``, ``ring``, ``tree``, ``naive``. The from-scratch algorithms' bytes and
-    messages are measured sends; gloo's bytes are what :func:`scalebook.dist.traffic.count_traffic` assumes for a
+    messages are measured sends; gloo's bytes are what :func:`scalebook.comm.traffic.count_traffic` assumes for a
     library all-reduce (the ring's volume), and its messages are not visible (None).
     """
     rank = dist.get_rank()

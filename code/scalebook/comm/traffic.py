@@ -6,7 +6,7 @@ calls and their message sizes are always what the rank really issued; the bytes 
 
 * **Counted at real sends.** ``send``/``isend`` (and the sends of ``batch_isend_irecv``) send the tensor's
   bytes, ``recv``/``irecv`` send nothing. A collective built from them, such as
-  ``scalebook.dist.collectives.ring_all_reduce``, is therefore counted message by message, as it runs.
+  ``scalebook.comm.collectives.ring_all_reduce``, is therefore counted message by message, as it runs.
   All-to-all is counted from its tensors: every block but the rank's own must leave it, whatever the
   algorithm.
 * **Charged per the algorithm.** A library ``all_reduce``, ``broadcast``, ``reduce``, ``all_gather*`` or
