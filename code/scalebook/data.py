@@ -16,6 +16,7 @@ Source: Radford et al. 2019 (GPT-2) for the language-modelling objective.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,12 @@ def default_corpus() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+@functools.cache
+def corpus_tokens() -> torch.Tensor:
+    """The embedded corpus, byte-tokenized once per process (every chapter experiment and lab trains on it)."""
+    return tokenize(default_corpus())
 
 
 def load_text(path: str | os.PathLike | None = None) -> str:
