@@ -89,9 +89,10 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
-        self.n_embd = config.n_embd
+        self.head_dim = config.head_dim
         self.attn_impl = config.attn_impl
+        # Context parallelism plugs ring attention in here (scalebook.parallel.context); None: attend().
+        self.core_attention = None
         self.dropout = config.dropout
         # One matmul produces Q, K and V for every head: W_QKV is (d, 3d).
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
@@ -102,22 +103,27 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("causal_mask", mask.view(1, 1, config.block_size, config.block_size), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim): heads become a batch dimension.
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # One matmul gives Q, K and V. The head count is read from the width (-1 below), not from the config,
+        # so the same code runs a tensor-parallel shard that holds n_head / tp of the heads.
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim): heads become a batch dimension.
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = self.core_attention(q, k, v) if self.core_attention is not None else self.attend(q, k, v)
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.resid_dropout(self.c_proj(y))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of (B, heads, T, head_dim) queries, keys and values."""
         if self.attn_impl == "sdpa":
-            y = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
             )
-        else:
-            # softmax(Q K^T / sqrt(d_head) + M) V, with M = -inf above the diagonal.
-            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-            scores = scores.masked_fill(~self.causal_mask[:, :, :T, :T], float("-inf"))
-            weights = self.attn_dropout(F.softmax(scores, dim=-1))
-            y = weights @ v
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        # softmax(Q K^T / sqrt(d_head) + M) V, with M = -inf above the diagonal.
+        T = q.size(-2)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        scores = scores.masked_fill(~self.causal_mask[:, :, :T, :T], float("-inf"))
+        return self.attn_dropout(F.softmax(scores, dim=-1)) @ v
 
 
 class MLP(nn.Module):
@@ -149,6 +155,11 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position, computed in float32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
 class GPT(nn.Module):
     """The decoder. ``forward(idx, targets)`` returns ``(logits, loss)``; loss is None without targets."""
 
@@ -156,6 +167,8 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.gradient_checkpointing = False
+        # Tensor parallelism swaps in a vocabulary-parallel cross-entropy (scalebook.parallel.tensor).
+        self.loss_fn = lm_loss
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
@@ -183,25 +196,38 @@ class GPT(nn.Module):
         """Number of distinct parameters (the tied head counts once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(
-                f"sequence length {T} exceeds block_size {self.config.block_size}; "
-                "crop the input or build the model with a larger block_size"
-            )
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token plus position embeddings of ``idx`` (B, T). ``positions`` (T,) defaults to 0..T-1; a context-
+        parallel rank passes the positions of the tokens it holds."""
+        T = idx.size(1)
+        if positions is None:
+            if T > self.config.block_size:
+                raise ValueError(
+                    f"sequence length {T} exceeds block_size {self.config.block_size}; "
+                    "crop the input or build the model with a larger block_size"
+                )
+            positions = torch.arange(T, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(positions))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, positions=None):
+        """``(logits, loss)`` of token ids ``idx``; loss is None without targets.
+
+        A pipeline stage is a slice of this model (:func:`scalebook.parallel.pipeline.pipeline_stage` drops the
+        blocks another stage runs, and ``wte`` or ``lm_head`` where it is not the first or the last stage): without
+        ``wte`` the input is the previous stage's hidden states, and without ``lm_head`` the output is this
+        stage's hidden states.
+        """
+        x = self.embed(idx, positions) if self.wte is not None else idx
         for block in self.blocks:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 # Keep only the block input; recompute the block's activations during backward.
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
+        if self.lm_head is None:
+            return x
         logits = self.lm_head(self.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+        loss = None if targets is None else self.loss_fn(logits, targets)
         return logits, loss
 
     # ----- Hugging Face GPT-2 interoperability -------------------------------------------------
