@@ -50,10 +50,10 @@ from torch.nn.parallel import DistributedDataParallel
 from scalebook import measure
 from scalebook.accounting.comm import bytes_sent_per_rank
 from scalebook.accounting.memory import activation_bytes, model_state_bytes
-from scalebook.configs import ModelConfig, gpt_like
-from scalebook.data import default_corpus, get_batch, tokenize
 from scalebook.comm import count_traffic, launch
 from scalebook.comm.launch import LaunchError
+from scalebook.configs import ModelConfig, gpt_like
+from scalebook.data import default_corpus, get_batch, tokenize
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel.ddp import BucketedDDP, TorchDDPProbe, probed_allreduce_hook
 from scalebook.parallel.pipeline import GPTStage, build_schedule, run_schedule, stage_layers, sync_tied_embedding

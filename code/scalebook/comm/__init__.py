@@ -1,4 +1,6 @@
-"""Communication building blocks (named comm, not dist, so it never shadows `torch.distributed as dist`): launching ranks, reading the launcher's environment, counting traffic.
+"""Communication building blocks: launching ranks, reading the launcher's environment, counting traffic.
+
+(Named ``comm``, not ``dist``, so that it never reads like build output or shadows ``torch.distributed as dist``.)
 
 ``launch`` runs a package function on N local CPU ranks (gloo) from a notebook, a script or a test;
 ``detect_env``/``init_from_env`` read what torchrun or SLURM set so the same code runs on a cluster;

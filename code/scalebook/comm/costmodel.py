@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from scalebook.accounting.comm import alpha_beta_time
-from scalebook.configs import get_link
 from scalebook.comm.collectives import ALL_REDUCES, library_all_reduce
+from scalebook.configs import get_link
 
 # Seconds per ring step, NCCL's hwLat[...][Ring][Simple]; network covers InfiniBand and RoCE.
 NCCL_STEP_LATENCY = {"nvlink": 3.4e-6, "pcie": 5.7e-6, "network": 9.6e-6}

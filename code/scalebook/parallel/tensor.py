@@ -48,8 +48,8 @@ from torch import nn
 from scalebook import data, measure
 from scalebook.accounting.comm import alpha_beta_time
 from scalebook.accounting.params import layer_matmul_weights
-from scalebook.configs import ModelConfig
 from scalebook.comm import count_traffic, launch
+from scalebook.configs import ModelConfig
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel.sequence import (
     all_gather_linear,
