@@ -18,11 +18,12 @@ checkpoint  atomic, per-rank checkpoints and resuming
 cluster     a real two-node SLURM cluster on one machine, for tests and readers
 hf_train    the same model trained by Hugging Face's Trainer on a ``datasets`` text loader
 parity      loss-parity checks between parallel layouts
+experiments the chapters' timing studies, sweeps and comparisons (nothing a training run imports)
 labs        deliberately broken variants and the tools that diagnose them (Chapter 16)
 measure     measured counterparts of the accounting formulas (bytes held, step time)
 accounting  closed-form parameter, memory, FLOP and time arithmetic (pure Python)
 configs     published model and hardware configurations
-dist        launching functions on N ranks, environment detection, collectives, traffic, cost model
+comm        launching functions on N ranks, environment detection, collectives, traffic, cost model
 parallel    data, ZeRO, tensor, sequence, pipeline, context and expert parallelism; N-D meshes
 planner     search for a parallel layout of a model on a cluster
 generate    greedy, temperature, top-k and top-p sampling
@@ -43,8 +44,9 @@ _SUBMODULES = (
     "cluster",
     "configs",
     "data",
-    "dist",
+    "comm",
     "embeddings",
+    "experiments",
     "generate",
     "hf_train",
     "labs",
