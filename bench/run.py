@@ -3,14 +3,21 @@
     python bench/run.py [--only NAME ...] [--repeats N]
 
 Writes bench/results.json (machine description + entries) and prints a table. Not part of `make test`:
-timings belong here, not in assertions. Add an entry by writing a function that returns a dict with
-``name``, ``ours``, ``reference``, ``unit``, ``ratio`` (ours / reference) and ``note``, and listing it in
-BENCHMARKS.
+timings belong here, not in assertions. An entry is a function that returns a dict (or a list of dicts) with
+``name``, ``ours``, ``reference``, ``unit``, ``ratio`` (ours / reference) and ``note``. The book's own
+benchmarks are listed in BENCHMARKS below; a strategy's benchmarks live in ``bench/<strategy>.py``, which lists
+its functions in ``ENTRIES`` and is collected here by file: ``--only zero`` runs bench/zero.py's entries,
+``--only zero.NAME`` one of them. A function that takes an argument receives ``--repeats``.
+
+The table flags every entry where the book's version does worse than its reference by more than GOAL_RATIO
+(time, bytes: ours / reference; throughput, units ending in "/s": reference / ours), with its note.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import json
 import os
 import platform
@@ -20,6 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+GOAL_RATIO = 1.2
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
 
@@ -72,9 +81,18 @@ def bench_training_throughput(repeats: int) -> dict:
     torch.manual_seed(0)
     cfg = GPTConfig.named("tiny")
     hf = GPT2LMHeadModel(
-        GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
-                   n_layer=cfg.n_layer, n_head=cfg.n_head, bos_token_id=255, eos_token_id=255,
-                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        GPT2Config(
+            vocab_size=cfg.vocab_size,
+            n_positions=cfg.block_size,
+            n_embd=cfg.n_embd,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            bos_token_id=255,
+            eos_token_id=255,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
     )
     ours = {impl: GPT.from_hf(hf, attn_impl=impl) for impl in ("explicit", "sdpa")}
     batch_size, seq = 16, cfg.block_size
@@ -133,12 +151,16 @@ def bench_tokenizer_encode(repeats: int) -> list[dict]:
                     encode(t)
                 seconds[key].append(time.perf_counter() - start)
         speed = {key: mb / statistics.median(values) for key, values in seconds.items()}
-        entries.append({
-            "name": f"BPE encode ({label}), ours vs HF tokenizers, V = 4096",
-            "ours": round(speed["ours"], 2), "reference": round(speed["hf"], 2), "unit": "MB/s",
-            "ratio": speed["ours"] / speed["hf"],
-            "note": "cold cache, identical merges and ids; ratio > 1 means ours is faster",
-        })
+        entries.append(
+            {
+                "name": f"BPE encode ({label}), ours vs HF tokenizers, V = 4096",
+                "ours": round(speed["ours"], 2),
+                "reference": round(speed["hf"], 2),
+                "unit": "MB/s",
+                "ratio": speed["ours"] / speed["hf"],
+                "note": "cold cache, identical merges and ids; ratio > 1 means ours is faster",
+            }
+        )
     return entries
 
 
@@ -169,35 +191,70 @@ BENCHMARKS = {
 }
 
 
+def collected_entries() -> dict:
+    """``{"module.function": fn}`` for every function in the ``ENTRIES`` list of a ``bench/*.py`` module.
+
+    The modules are imported by name with bench/ on ``sys.path``, so that ranks started with ``spawn`` can
+    unpickle worker functions defined in them.
+    """
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    entries = {}
+    for path in sorted(BENCH.glob("*.py")):
+        if path.stem == "run":
+            continue
+        module = importlib.import_module(path.stem)
+        entries |= {f"{path.stem}.{fn.__name__}": fn for fn in getattr(module, "ENTRIES", [])}
+    return entries
+
+
+def slowdown(entry: dict) -> float:
+    """How many times worse ours is than the reference (> 1: worse), whichever way the unit points."""
+    return 1 / entry["ratio"] if entry["unit"].endswith("/s") else entry["ratio"]
+
+
+def print_table(results: dict) -> None:
+    """The ratio table; an entry more than GOAL_RATIO times worse than its reference is flagged with its note."""
+    m = results["machine"]
+    print(f"\n{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)")
+    width = max(len(e["name"]) for e in results["entries"])
+    print(f"{'benchmark':<{width}}  {'ours':>10}  {'reference':>10}  {'unit':<8}  ratio")
+    flagged = [e for e in results["entries"] if slowdown(e) > GOAL_RATIO]
+    for e in results["entries"]:
+        mark = f"  > {GOAL_RATIO}x worse" if e in flagged else ""
+        print(f"{e['name']:<{width}}  {e['ours']:>10}  {e['reference']:>10}  {e['unit']:<8}  {e['ratio']:.2f}{mark}")
+    for e in flagged:
+        print(f"\n{e['name']}: {slowdown(e):.2f}x worse than the reference (goal <= {GOAL_RATIO}x)\n  {e['note']}")
+
+
 def main(argv=None) -> int:
+    runners = dict(BENCHMARKS)
+    for name, fn in collected_entries().items():
+        runners[name] = fn if inspect.signature(fn).parameters else (lambda repeats, fn=fn: fn())
+    modules = sorted({name.split(".")[0] for name in runners if "." in name})
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", choices=sorted(BENCHMARKS), help="run only these benchmarks")
+    parser.add_argument("--only", nargs="*", choices=sorted([*runners, *modules]), help="run only these benchmarks")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per measurement")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results.json")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    selected = [name for name in runners if not args.only or name in args.only or name.split(".")[0] in args.only]
 
     import torch
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     results = {"machine": machine(), "entries": []}
-    for name in args.only or BENCHMARKS:
+    for name in selected:
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        out = BENCHMARKS[name](args.repeats)
+        out = runners[name](args.repeats)
         results["entries"] += out if isinstance(out, list) else [out]
 
     tmp = args.output.with_suffix(".tmp")
     tmp.write_text(json.dumps(results, indent=2) + "\n")
     tmp.replace(args.output)
-
-    m = results["machine"]
-    print(f"\n{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)")
-    width = max(len(e["name"]) for e in results["entries"])
-    print(f"{'benchmark':<{width}}  {'ours':>10}  {'reference':>10}  {'unit':<8}  ratio")
-    for e in results["entries"]:
-        print(f"{e['name']:<{width}}  {e['ours']:>10}  {e['reference']:>10}  {e['unit']:<8}  {e['ratio']:.2f}")
-    print(f"\nwritten to {args.output.relative_to(ROOT)}")
+    print_table(results)
+    print(f"\nwritten to {args.output}")
     return 0
 
 
