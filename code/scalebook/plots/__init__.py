@@ -12,7 +12,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-STYLE = Path(__file__).with_name("scalebook.mplstyle")
+STYLE = Path(__file__).resolve().parent.parent / "scalebook.mplstyle"
 
 
 def use_style() -> None:
