@@ -4,6 +4,7 @@ The layout is GPT-2's, so that weights move both ways between this model and Hug
 ``GPT2LMHeadModel``: token embeddings plus learned absolute position embeddings, a stack of
 pre-LayerNorm blocks (causal multi-head self-attention, then a 4x GELU MLP, each wrapped in a
 residual connection), a final LayerNorm and a language-model head tied to the token embedding.
+With ``n_experts > 0`` every block's MLP is a mixture of experts (:mod:`scalebook.parallel.expert`).
 
 Attention comes in two interchangeable implementations selected by ``GPTConfig.attn_impl``:
 ``"explicit"`` spells out softmax(QK^T / sqrt(d_head) + M) V so that every intermediate tensor is
@@ -39,6 +40,11 @@ class GPTConfig:
     bias: bool = True
     layer_norm_eps: float = 1e-5
     attn_impl: str = "explicit"
+    # Mixture of experts (scalebook.parallel.expert): 0 keeps the dense MLP; E > 0 gives every block E expert
+    # MLPs and a top-k router. No capacity factor: dropless (every expert has room for all tokens).
+    n_experts: int = 0
+    expert_top_k: int = 2
+    expert_capacity_factor: float | None = None
 
     def __post_init__(self):
         problems = []
@@ -54,8 +60,25 @@ class GPTConfig:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
         if self.attn_impl not in ATTN_IMPLS:
             problems.append(f"attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
+        problems += self._expert_problems()
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
+
+    def _expert_problems(self) -> list[str]:
+        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
+            return [f"n_experts must be an integer >= 0 (0: dense MLP), got {self.n_experts!r}"]
+        if not self.n_experts:
+            return []
+        problems = []
+        if not isinstance(self.expert_top_k, int) or not 1 <= self.expert_top_k <= self.n_experts:
+            problems.append(
+                f"expert_top_k must be an integer in [1, n_experts={self.n_experts}], got {self.expert_top_k!r}"
+            )
+        if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
+            problems.append(
+                f"expert_capacity_factor must be > 0, or None for no dropping, got {self.expert_capacity_factor!r}"
+            )
+        return problems
 
     @property
     def head_dim(self) -> int:
@@ -148,7 +171,12 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
-        self.mlp = MLP(config)
+        if config.n_experts:
+            from scalebook.parallel.expert import moe_mlp  # imported here: the parallel package imports this module
+
+            self.mlp = moe_mlp(config)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -262,6 +290,8 @@ class GPT(nn.Module):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         c = self.config
+        if c.n_experts:
+            raise ValueError("GPT-2 has no mixture-of-experts layers; only a model with n_experts=0 can be exported")
         if not c.bias:
             raise ValueError("GPT-2 has biases everywhere; only a model with bias=True can be exported")
         hf_cfg = GPT2Config(

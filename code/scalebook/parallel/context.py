@@ -25,6 +25,23 @@ Zig-zag then computes 2 cp + 1 of the 4 cp pairs on every rank; the contiguous s
 Each step posts the send of the block it holds and the receive of the next before it computes, and
 waits after: the transfer runs while the block is computed.
 
+In a training run, on the GPT (:class:`scalebook.model.GPT`):
+
+1. ``apply_context_parallel(model, cp_group)`` sets every attention's ``core_attention`` to ring attention
+   over ``cp_group`` (all other layers work token by token and need nothing from other ranks).
+2. Every rank of a cp group gets the same (B, T) batch (T divisible by 2 cp) and keeps its share:
+   ``idx, targets, positions = context_parallel_batch(idx, targets, cp_group)``, then
+   ``logits, loss = model(idx, targets, positions=positions)``. The loss is the mean over this rank's
+   B T / cp tokens.
+3. Every rank holds the same number of tokens, so the global loss is the mean of the local losses over
+   the dp x cp ranks. The ring's backward sends every key/value gradient home, so a rank's parameter
+   gradient is that of its own loss through its own tokens plus the other cp ranks' losses through its
+   keys and values; summed over the cp group it is the gradient of the sum of their losses. Hence:
+   **average the parameters' gradients over the dp x cp ranks** (those with this rank's pp and tp
+   coordinates; averaging over cp and then over dp is the same). The data-parallel wrapper does it if it
+   spans dp x cp, as torchtitan's FSDP over its ``dp_shard_cp`` mesh. Log ``all_reduce(loss) / (dp cp)``
+   over the same ranks.
+
 Source: Liu, Zaharia and Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
 Context"; Dao et al. 2022, "FlashAttention" (online softmax, Sec. 3.1, and its backward, Appendix B);
 Tazi et al. 2025, "The Ultra-Scale Playbook", "Context parallelism" (zig-zag load balancing).
@@ -32,14 +49,13 @@ Tazi et al. 2025, "The Ultra-Scale Playbook", "Context parallelism" (zig-zag loa
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
 import torch
 import torch.distributed as dist
-
-from scalebook import measure
-from scalebook.comm import count_traffic, launch
+from torch import nn
 
 SPLITS = ("zigzag", "contiguous")
 
@@ -168,7 +184,7 @@ def _start_pass(tensors: list[torch.Tensor], group, tag: int) -> tuple[list[torc
     Nothing waits here, so the caller computes while the blocks travel.
     """
     _, _, next_rank, prev_rank = _ring_peers(group)
-    received = [torch.empty_like(t) for t in tensors]
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]  # q, k, v: views
     works = []
     for i, (out, into) in enumerate(zip(tensors, received, strict=True)):
         # isend never blocks, so every rank can send before it receives without a deadlock.
@@ -343,106 +359,41 @@ def ring_attention(
     return _RingAttention.apply(q, k, v, group, split, work)
 
 
-# ----------------------------------------------------------------------------------- measuring on ranks
+# ------------------------------------------------------------------------------------- on the model
 
 
-def compare_ring_attention(
-    *,
-    batch: int = 2,
-    heads: int = 4,
-    seq_len: int = 64,
-    head_dim: int = 16,
-    splits: tuple[str, ...] = SPLITS,
-    seed: int = 0,
-    timed_seq_len: int | None = None,
-) -> dict[str, dict]:
-    """On every rank of the default group (run it with :func:`scalebook.comm.launch`): ring attention
-    against :func:`causal_attention` on the whole sequence, for each split in ``splits``.
+def apply_context_parallel(model: nn.Module, group=None, *, split: str = "zigzag") -> nn.Module:
+    """Make every attention layer of ``model`` (each module with a ``core_attention`` slot, as
+    :class:`scalebook.model.CausalSelfAttention`) run ring attention over ``group``, in place; returns ``model``.
 
-    Every rank draws the same Q, K, V and output gradient, computes the one-rank reference and ring
-    attention on its own shard, gathers the shards and reports, per split, the largest deviations of the
-    output and of the Q, K, V gradients, the calls and bytes this rank sent in the forward and backward
-    passes, the bytes saved for backward (ring and reference), the half-chunk pairs every rank computed
-    and skipped (counted while it ran, gathered from all ranks) and the unmasked scores of every rank.
-    With ``timed_seq_len``, also every rank's seconds of computing in one forward and backward pass at
-    that length (machine-dependent).
+    Feed it the tokens :func:`context_parallel_batch` gives this rank, with their positions. Raises a
+    ValueError, before changing anything, for an unknown split, a model without attention layers, or
+    attention dropout (ring attention has none).
     """
-    rank, cp = dist.get_rank(), dist.get_world_size()
-    for split in splits:
-        validate_context_parallel(seq_len, cp, split)
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v, grad_out = (torch.randn(batch, heads, seq_len, head_dim, generator=gen) for _ in range(4))
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    reference = causal_attention(*full)
-    reference.backward(grad_out)
-    full_saved = measure.saved_by_call(causal_attention, *full).total
-    results = {}
-    for split in splits:
-        mine = [shard_sequence(t, cp, rank, split=split).requires_grad_() for t in (q, k, v)]
-        work = {}
-        with count_traffic() as forward:
-            out = ring_attention(*mine, split=split, work=work)
-        with count_traffic() as backward:
-            out.backward(shard_sequence(grad_out, cp, rank, split=split))
-        ring_saved = measure.saved_by_call(lambda *t, split=split: ring_attention(*t, split=split), *mine).total
-        every_rank = [None] * cp
-        dist.all_gather_object(every_rank, work)
-
-        def gathered(t: torch.Tensor, split: str = split) -> torch.Tensor:
-            pieces = [torch.empty_like(t) for _ in range(cp)]
-            dist.all_gather(pieces, t.detach().contiguous())
-            return unshard_sequence(pieces, split=split)
-
-        errors = {"output": (gathered(out) - reference).abs().max().item()}
-        for name, local, ref in zip(("grad_q", "grad_k", "grad_v"), mine, full, strict=True):
-            errors[name] = (gathered(local.grad) - ref.grad).abs().max().item()
-        results[split] = {
-            "errors": errors,
-            "forward": {op: (n, float(sent)) for op, (n, sent) in forward.by_op().items()},
-            "backward": {op: (n, float(sent)) for op, (n, sent) in backward.by_op().items()},
-            "ring_saved_bytes": ring_saved,
-            "full_saved_bytes": full_saved,
-            "half_blocks": every_rank,
-            "unmasked_scores": unmasked_scores(seq_len, cp, split),
-        }
-        if timed_seq_len:
-            results[split]["seconds"] = _time_ring_attention(batch, heads, timed_seq_len, head_dim, split)
-    return results
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    layers = [m for m in model.modules() if hasattr(m, "core_attention")]
+    if not layers:
+        raise ValueError("the model has no attention layer with a core_attention slot (scalebook.model.GPT has)")
+    if any(getattr(m, "dropout", 0.0) for m in layers):
+        raise ValueError("ring attention has no attention dropout: build the model with dropout=0")
+    for layer in layers:
+        layer.core_attention = functools.partial(ring_attention, group=group, split=split)
+    return model
 
 
-def _time_ring_attention(batch: int, heads: int, seq_len: int, head_dim: int, split: str) -> list[float]:
-    """Every rank's seconds of computing (waits for blocks excluded) in one forward and backward pass, the
-    best of three."""
-    cp = dist.get_world_size()
-    validate_context_parallel(seq_len, cp, split)
-    shape = (batch, heads, seq_len // cp, head_dim)
-    q, k, v = (torch.randn(shape).requires_grad_() for _ in range(3))
-    best = float("inf")
-    for _ in range(3):
-        work = {}
-        ring_attention(q, k, v, split=split, work=work).sum().backward()
-        best = min(best, sum(work["seconds"].values()))
-    every_rank = [None] * cp
-    dist.all_gather_object(every_rank, best)
-    return every_rank
+def context_parallel_batch(
+    idx: torch.Tensor, targets: torch.Tensor | None, group=None, split: str = "zigzag"
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """This rank's tokens of a (B, T) batch that every rank of ``group`` holds whole, and their positions.
 
-
-def ring_attention_study(
-    cps: tuple[int, ...] = (2, 4), *, seq_len: int = 64, timed: dict[int, int] | None = None,
-    timeout: float = 300.0, **kwargs,
-) -> dict[tuple[int, str], dict]:  # fmt: skip
-    """Check every layout, then run :func:`compare_ring_attention` on ``cp`` fresh ranks for each ``cp``
-    (one launch each). ``timed`` maps a ``cp`` to a sequence length to time at. Returns rank 0's
-    results keyed by ``(cp, split)``."""
-    timed = timed or {}
-    for cp in cps:
-        for split in SPLITS:
-            validate_context_parallel(seq_len, cp, split)
-            if cp in timed:
-                validate_context_parallel(timed[cp], cp, split)
-    results = {}
-    for cp in cps:
-        per_split = launch(compare_ring_attention, cp, seq_len=seq_len, timed_seq_len=timed.get(cp),
-                           timeout=timeout, **kwargs)[0]  # fmt: skip
-        results.update({(cp, split): r for split, r in per_split.items()})
-    return results
+    Returns ``(idx_local, targets_local, positions)``: (B, T/cp), (B, T/cp) or None, and (T/cp,) positions
+    in the full sequence, so that ``model(idx_local, targets_local, positions=positions)`` runs. Raises a
+    ValueError if T does not split into 2 cp equal chunks.
+    """
+    if idx.dim() != 2:
+        raise ValueError(f"idx must be a (batch, tokens) tensor, got shape {tuple(idx.shape)}")
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    positions = token_positions(idx.shape[1], cp, rank, split).to(idx.device)
+    mine = None if targets is None else targets.index_select(1, positions)
+    return idx.index_select(1, positions), mine, positions

@@ -9,13 +9,30 @@ is the sum of their outputs weighted by those probabilities (the gates). Experts
 so that every expert's work has a fixed shape; the tokens an expert receives beyond C are **dropped**
 (they contribute nothing, and the residual connection carries them past the layer). As in GShard the
 batch is split into ``groups`` and the capacity holds per group; under expert parallelism a group is
-one rank's tokens.
+one rank's tokens. ``capacity_factor=None`` gives every expert room for all the group's tokens: nothing
+is dropped, so how the tokens are grouped (over ranks) cannot change the result. The GPT's MoE option
+(``GPTConfig(n_experts=...)``, :func:`moe_mlp`) is dropless unless ``expert_capacity_factor`` is set.
 
 Expert parallelism puts E / ep experts on each of ep ranks. Each rank routes its own tokens, packs
 them into an (E, C, d) buffer in expert order, and one ``all_to_all_single`` sends every expert's slice
 to the rank that holds it; the experts run on what arrived, a second all-to-all sends the results back,
 and each rank combines them with its gates. Both all-to-alls are their own transposes, so the backward
 pass is the same two exchanges in reverse.
+
+In a training run (``ep`` divides ``dp``: the ep ranks of a group are data-parallel ranks with different
+tokens; every rank's loss is the mean over its own tokens, as in data parallelism):
+
+1. Build the same GPT on every rank (same seed), then ``apply_expert_parallel(model, ep_group)``.
+2. Non-expert parameters (attention, router, embeddings, norms) are replicated: the data-parallel
+   wrapper averages their gradients over dp (over dp x cp under context parallelism), as for a dense
+   model. It must leave :func:`expert_parameters` out (neither broadcast nor all-reduce them over dp):
+   the ranks of an ep group hold different experts of the same shapes.
+3. After backward, :func:`reduce_expert_gradients` ``(model, group)``: an expert's gradient already holds
+   the sum over the ep group's losses (the backward all-to-all brought every rank's share home), so it
+   divides by ep and averages over ``group``, the ranks that hold the same experts: those with the same
+   ep index (dp index mod ep) in the other dp / ep blocks, times every cp rank, at this rank's pp and tp
+   coordinates ((dp / ep) * cp ranks). With dp == ep and cp == 1 pass ``None``: dividing is all.
+4. :func:`full_state_dict` gathers the experts back into the single-process names (checkpoints, export).
 
 Load balance. Left alone, a router tends to favour a few experts. Switch Transformer and GShard add an
 auxiliary loss ``alpha * E * sum_e f_e P_e`` (f_e the share of assignments expert e received, P_e its
@@ -27,7 +44,8 @@ term pulls on the model's weights.
 Source: Lepikhin et al. 2021, "GShard: Scaling Giant Models with Conditional Computation and Automatic
 Sharding", Sec. 2.2; Fedus, Zoph and Shazeer 2022, "Switch Transformers", Sec. 2.2 (capacity factor,
 auxiliary loss); Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts";
-DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", Sec. 2.1.2.
+DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", Sec. 2.1.2; torchtitan ``torchtitan/distributed/
+expert_parallel.py`` (experts sharded over data-parallel ranks, their gradients divided, not averaged).
 """
 
 from __future__ import annotations
@@ -40,11 +58,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from scalebook import data
-from scalebook.comm import count_traffic, launch
-from scalebook.model import CausalSelfAttention, GPTConfig
-
-BALANCING = ("none", "aux_loss", "bias")
+__all__ = [
+    "MoEConfig",
+    "MoE",
+    "ExpertParallelMoE",
+    "moe_mlp",
+    "apply_expert_parallel",
+    "expert_parameters",
+    "reduce_expert_gradients",
+    "full_state_dict",
+    "full_gradients",
+]
 
 
 @dataclass(frozen=True)
@@ -55,9 +79,11 @@ class MoEConfig:
     d_ff: int = 128
     n_experts: int = 8
     top_k: int = 2
-    capacity_factor: float = 1.25
+    capacity_factor: float | None = 1.25  # None: dropless, every expert has room for the whole group
     aux_loss_weight: float = 0.1  # alpha of the Switch/GShard auxiliary loss
     bias_update: float = 0.01  # gamma of the auxiliary-loss-free bias update
+    mlp_bias: bool = True  # biases in the experts' linear layers
+    dropout: float = 0.0  # on the layer's output, as the dense MLP's
 
     def __post_init__(self):
         problems = []
@@ -67,14 +93,17 @@ class MoEConfig:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
         if not problems and self.top_k > self.n_experts:
             problems.append(f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts})")
-        if not self.capacity_factor > 0:
-            problems.append(f"capacity_factor must be > 0, got {self.capacity_factor!r}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            problems.append(f"capacity_factor must be > 0 (or None: no dropping), got {self.capacity_factor!r}")
         if problems:
             raise ValueError("invalid MoEConfig: " + "; ".join(problems))
 
 
-def expert_capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
-    """C = ceil(capacity_factor * k * tokens / E): slots per expert for ``tokens`` tokens of one group."""
+def expert_capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float | None) -> int:
+    """C = ceil(capacity_factor * k * tokens / E): slots per expert for ``tokens`` tokens of one group.
+    Without a capacity factor C = tokens: a token picks k distinct experts, so no expert gets more."""
+    if capacity_factor is None:
+        return tokens
     return math.ceil(capacity_factor * top_k * tokens / n_experts)
 
 
@@ -121,7 +150,7 @@ def dispatch(hidden: torch.Tensor, routing: Routing, n_experts: int) -> torch.Te
     """Pack the kept (token, choice) pairs into an (E, C, d) buffer; empty slots stay zero."""
     buffer = hidden.new_zeros(n_experts * routing.capacity, hidden.shape[-1])
     kept = routing.slots >= 0
-    token = torch.arange(hidden.shape[0]).unsqueeze(1).expand_as(routing.slots)[kept]
+    token = torch.arange(hidden.shape[0], device=hidden.device).unsqueeze(1).expand_as(routing.slots)[kept]
     index = routing.experts[kept] * routing.capacity + routing.slots[kept]
     buffer = buffer.index_add(0, index, hidden[token])
     return buffer.view(n_experts, routing.capacity, -1)
@@ -139,46 +168,71 @@ def combine(expert_out: torch.Tensor, routing: Routing) -> torch.Tensor:
 class Expert(nn.Module):
     """One expert: the GPT MLP, d -> d_ff -> d with a tanh GELU."""
 
-    def __init__(self, d_model: int, d_ff: int):
+    def __init__(self, d_model: int, d_ff: int, bias: bool = True):
         super().__init__()
-        self.c_fc = nn.Linear(d_model, d_ff)
-        self.c_proj = nn.Linear(d_ff, d_model)
+        self.c_fc = nn.Linear(d_model, d_ff, bias=bias)
+        self.c_proj = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
 
 class MoE(nn.Module):
-    """A mixture-of-experts MLP on one rank, all experts here. ``forward(x)`` returns ``(y, routings)``.
+    """A mixture-of-experts MLP, all experts on this rank. ``forward(x, groups=1)`` returns a tensor shaped as x.
 
-    ``x`` is (b, s, d); its b s tokens are cut into ``groups`` equal groups (each with its own capacity).
-    ``self.bias`` is the selection bias of auxiliary-loss-free balancing (zeros unless updated).
+    ``x`` is (..., d); its tokens are cut into ``groups`` equal groups (each with its own capacity). The
+    routing of every group of the last forward is kept in ``self.routings`` (auxiliary loss, load).
+    ``self.bias`` is the selection bias of auxiliary-loss-free balancing, used when ``balance_by_bias``
+    is set (zeros unless :meth:`update_bias` moves it).
     """
 
-    def __init__(self, config: MoEConfig):
+    def __init__(self, config: MoEConfig, local_experts: int | None = None):
         super().__init__()
         self.config = config
         self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(config.d_model, config.d_ff) for _ in range(config.n_experts))
+        count = config.n_experts if local_experts is None else local_experts
+        self.experts = nn.ModuleList(Expert(config.d_model, config.d_ff, config.mlp_bias) for _ in range(count))
         self.register_buffer("bias", torch.zeros(config.n_experts))
+        self.dropout = nn.Dropout(config.dropout)
+        self.balance_by_bias = False
+        self.routings: list[Routing] = []
 
-    def forward(self, x: torch.Tensor, groups: int = 1, *, use_bias: bool = False):
+    def forward(self, x: torch.Tensor, groups: int = 1) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         if tokens.shape[0] % groups:
             raise ValueError(f"{tokens.shape[0]} tokens do not split into {groups} equal groups")
-        outputs, routings = [], []
+        outputs, self.routings = [], []
         for group in tokens.chunk(groups):
-            routing = route(group, self.router, self.config, self.bias if use_bias else None)
-            buffer = dispatch(group, routing, self.config.n_experts)
-            expert_out = torch.stack([expert(buffer[e]) for e, expert in enumerate(self.experts)])
+            routing = route(group, self.router, self.config, self.bias if self.balance_by_bias else None)
+            expert_out = self.run_experts(dispatch(group, routing, self.config.n_experts))
             outputs.append(combine(expert_out, routing))
-            routings.append(routing)
-        return torch.cat(outputs).view_as(x), routings
+            self.routings.append(routing)
+        return self.dropout(torch.cat(outputs).view_as(x))
+
+    def run_experts(self, buffer: torch.Tensor) -> torch.Tensor:
+        """(E, C, d) tokens in expert order -> the experts' (E, C, d) outputs."""
+        return torch.stack([expert(buffer[e]) for e, expert in enumerate(self.experts)])
 
     def update_bias(self, load: torch.Tensor) -> None:
         """DeepSeek-V3's update: b_e += gamma * sign(mean load - load_e), after each step."""
         with torch.no_grad():
             self.bias += self.config.bias_update * torch.sign(load.float().mean() - load.float())
+
+
+def moe_mlp(config) -> MoE:
+    """The dropless-by-default MoE MLP of a :class:`scalebook.model.GPTConfig` with ``n_experts > 0``: E
+    experts shaped as the dense MLP (d -> 4d -> d), top ``expert_top_k`` routing."""
+    return MoE(
+        MoEConfig(
+            d_model=config.n_embd,
+            d_ff=4 * config.n_embd,
+            n_experts=config.n_experts,
+            top_k=config.expert_top_k,
+            capacity_factor=config.expert_capacity_factor,
+            mlp_bias=config.bias,
+            dropout=config.dropout,
+        )
+    )
 
 
 # ------------------------------------------------------------------------------------ expert parallelism
@@ -206,212 +260,153 @@ def all_to_all(x: torch.Tensor, group=None) -> torch.Tensor:
     return _AllToAll.apply(x, group)
 
 
-class ExpertParallelMoE(nn.Module):
-    """This rank's part of a :class:`MoE`: the whole router, and experts [r E/ep, (r+1) E/ep).
+def validate_expert_parallel(n_experts: int, ep: int) -> None:
+    """Raise one ValueError if ``n_experts`` experts cannot be dealt out evenly to ``ep`` ranks."""
+    if n_experts % ep:
+        divisors = [d for d in range(1, n_experts + 1) if n_experts % d == 0]
+        raise ValueError(
+            f"n_experts ({n_experts}) must be divisible by the expert-parallel size ep ({ep}); "
+            f"use ep in {divisors} or change n_experts"
+        )
 
-    ``forward(x)`` routes this rank's tokens (one group), exchanges them with all-to-all, runs the local
-    experts, and exchanges the results back. Build it with :meth:`from_moe`. After the backward pass
-    call :meth:`average_gradients`: every rank's router saw different tokens, and every expert received
-    gradients from every rank's loss.
+
+class ExpertParallelMoE(MoE):
+    """This rank's part of a :class:`MoE`: the whole router, and experts [r E/ep, (r+1) E/ep) of ``group``.
+
+    ``forward(x)`` routes this rank's tokens, sends every expert's slice of the (E, C, d) buffer to the
+    rank holding it (all-to-all), runs the local experts on what arrived from every rank, and sends the
+    results back. Every rank of ``group`` must pass the same number of tokens (the buffers' shapes must
+    agree). Build it with :meth:`from_moe`; after backward see :func:`reduce_expert_gradients`.
     """
 
     def __init__(self, config: MoEConfig, group=None):
-        super().__init__()
-        self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        if config.n_experts % self.ep:
-            raise ValueError(
-                f"n_experts ({config.n_experts}) must be divisible by the expert-parallel size ({self.ep})"
-            )
-        self.config, self.group = config, group
-        self.local = config.n_experts // self.ep
-        self.first_expert = self.rank * self.local
-        self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(config.d_model, config.d_ff) for _ in range(self.local))
+        ep, rank = dist.get_world_size(group), dist.get_rank(group)
+        validate_expert_parallel(config.n_experts, ep)
+        super().__init__(config, local_experts=config.n_experts // ep)
+        self.group, self.ep, self.rank = group, ep, rank
+        self.local = config.n_experts // ep
+        self.first_expert = rank * self.local
 
     @classmethod
     def from_moe(cls, moe: MoE, group=None) -> ExpertParallelMoE:
-        """Copy the router and this rank's experts from an unsharded :class:`MoE`."""
-        ep_moe = cls(moe.config, group)
-        ep_moe.router.load_state_dict(moe.router.state_dict())
-        for j, expert in enumerate(ep_moe.experts):
-            expert.load_state_dict(moe.experts[ep_moe.first_expert + j].state_dict())
+        """Copy the router, the selection bias and this rank's experts from an unsharded :class:`MoE`."""
+        ep_moe = cls(moe.config, group).to(moe.router.weight.device, moe.router.weight.dtype)
+        ep_moe.load_state_dict(_local_experts(moe.state_dict(), ep_moe.first_expert, ep_moe.local))
+        ep_moe.balance_by_bias = moe.balance_by_bias
+        ep_moe.train(moe.training)
         return ep_moe
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
-        tokens = x.reshape(-1, x.shape[-1])
-        routing = route(tokens, self.router, self.config)
-        buffer = dispatch(tokens, routing, self.config.n_experts)  # (E, C, d), experts in owner-rank order
-        C, d = routing.capacity, tokens.shape[-1]
+    def run_experts(self, buffer: torch.Tensor) -> torch.Tensor:
+        E, C, d = buffer.shape  # experts in owner-rank order: rank i holds rows [i E/ep, (i+1) E/ep)
         received = all_to_all(buffer, self.group).view(self.ep, self.local, C, d)  # [source rank, my expert]
         outputs = torch.stack([expert(received[:, j]) for j, expert in enumerate(self.experts)], dim=1)
-        returned = all_to_all(outputs.reshape(self.ep * self.local, C, d), self.group)
-        return combine(returned, routing).view_as(x), routing
+        return all_to_all(outputs.reshape(E, C, d), self.group)
 
-    def average_gradients(self) -> None:
-        """Turn gradients of every rank's own mean loss into gradients of the mean over all ranks' tokens.
 
-        Each rank's loss is the mean over its own tokens, as in data parallelism, so the global loss is
-        the average of the ep local losses and every gradient needs a 1/ep. The router's gradient is
-        this rank's share only: sum it over the ranks, then divide. An expert's gradient already holds
-        every rank's share (the backward all-to-all brought it home): divide only (torchtitan's
-        ``gradient_divide_factor`` for the experts does the same).
-        """
-        dist.all_reduce(self.router.weight.grad, group=self.group)
-        for param in self.parameters():
-            param.grad /= self.ep
+def _expert_index(name: str) -> tuple[str, int, str] | None:
+    """``"blocks.0.mlp.experts.5.c_fc.weight"`` -> ``("blocks.0.mlp.experts.", 5, ".c_fc.weight")``."""
+    head, found, tail = name.rpartition("experts.")
+    if not found:
+        return None
+    index, _, rest = tail.partition(".")
+    return (head + found, int(index), "." + rest) if index.isdigit() else None
+
+
+def _local_experts(state: dict, first: int, local: int) -> dict:
+    """An unsharded MoE's state with only experts [first, first + local), renumbered from 0."""
+    kept = {}
+    for name, value in state.items():
+        parts = _expert_index(name)
+        if parts is None:
+            kept[name] = value
+        elif first <= parts[1] < first + local:
+            kept[f"{parts[0]}{parts[1] - first}{parts[2]}"] = value
+    return kept
+
+
+def _expert_parallel_layers(model: nn.Module) -> list[ExpertParallelMoE]:
+    return [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+
+
+def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
+    """Make every :class:`MoE` of ``model`` expert-parallel over ``group``, in place; returns ``model``.
+
+    Each rank keeps the router and n_experts / ep of the experts, copied from the full layer, so every
+    rank of ``group`` must have built the same model (same seed). Raises a ValueError, before changing
+    anything, if the model has no MoE layer or ep does not divide its number of experts.
+    """
+    layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+              if type(child) is MoE]  # fmt: skip
+    if not layers:
+        raise ValueError("the model has no mixture-of-experts layer: build it with GPTConfig(n_experts=...)")
+    ep = dist.get_world_size(group)
+    for n_experts in sorted({moe.config.n_experts for _, _, moe in layers}):
+        validate_expert_parallel(n_experts, ep)
+    for parent, name, moe in layers:
+        setattr(parent, name, ExpertParallelMoE.from_moe(moe, group))
+    return model
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters expert parallelism shards (every :class:`ExpertParallelMoE`'s experts): what the
+    data-parallel wrapper must leave to :func:`reduce_expert_gradients`. Empty before
+    :func:`apply_expert_parallel`."""
+    return [p for layer in _expert_parallel_layers(model) for p in layer.experts.parameters()]
+
+
+def reduce_expert_gradients(model: nn.Module, group=None) -> None:
+    """After backward: make the experts' gradients those of the run's global mean loss (a collective).
+
+    Every rank's loss is the mean over its own tokens, so the global loss is the mean of all ranks' losses.
+    An expert's gradient already holds the sum over its ep group's losses, the backward all-to-all having
+    brought every rank's share home: it is divided by ep (torchtitan's ``gradient_divide_factor``), then
+    averaged over ``group``: the ranks that hold the same experts ((dp / ep) * cp of them, see the module
+    docstring), None when there is none. The router and every other replicated parameter are averaged by
+    the data-parallel wrapper, as in a dense model.
+    """
+    grads = [p.grad for p in expert_parameters(model) if p.grad is not None]
+    if not grads:
+        return
+    ep = _expert_parallel_layers(model)[0].ep
+    replicas = 1 if group is None else dist.get_world_size(group)
+    flat = torch.cat([g.reshape(-1) for g in grads]).div_(ep * replicas)
+    if replicas > 1:
+        dist.all_reduce(flat, group=group)
+    for grad, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(reduced.view_as(grad))
+
+
+def _gather_experts(named: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every expert tensor of ``named`` gathered from the ranks of its layer's group, under the unsharded
+    name; other entries as they are. A collective: every rank calls it with the same names."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, ExpertParallelMoE)}
+    full = {}
+    for name, value in named.items():
+        parts = _expert_index(name)
+        layer = layers.get(parts[0][: -len("experts.")].removesuffix(".")) if parts else None
+        if layer is None:
+            full[name] = value.detach()
+            continue
+        pieces = [torch.empty_like(value) for _ in range(layer.ep)]
+        dist.all_gather(pieces, value.detach().contiguous(), group=layer.group)
+        for rank, piece in enumerate(pieces):
+            full[f"{parts[0]}{rank * layer.local + parts[1]}{parts[2]}"] = piece
+    return full
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded model's ``state_dict`` (single-process names and values), gathered from a model made
+    expert-parallel by :func:`apply_expert_parallel`: a collective over each layer's group, every rank gets it."""
+    return _gather_experts(model.state_dict(), model)
+
+
+def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient under its unsharded name (a tied weight once); a collective, as
+    :func:`full_state_dict`. Call it after :func:`reduce_expert_gradients`."""
+    return _gather_experts({name: p.grad for name, p in model.named_parameters() if p.grad is not None}, model)
 
 
 def dispatch_bytes_per_rank(tokens: int, config: MoEConfig, ep: int, *, dtype_bytes: int = 4) -> float:
     """Bytes one rank sends in one all-to-all of the (E, C, d) buffer: all but its own 1/ep share."""
     capacity = expert_capacity(tokens, config.n_experts, config.top_k, config.capacity_factor)
     return (ep - 1) / ep * config.n_experts * capacity * config.d_model * dtype_bytes
-
-
-def compare_expert_parallel(*, tokens_per_rank: int = 32, config: MoEConfig | None = None, seed: int = 0) -> dict:
-    """On every rank (run it with :func:`scalebook.comm.launch`): expert-parallel MoE against one :class:`MoE`
-    holding all experts, with one group per rank.
-
-    The loss is a weighted mean over tokens: the reference takes it over all ep * tokens_per_rank tokens,
-    each rank over its own (as data parallelism does), and :meth:`ExpertParallelMoE.average_gradients`
-    reconciles the two. Returns this rank's largest deviation of the output, of its tokens' input
-    gradients (times ep: a token's share of the local mean is ep times its share of the global one), of
-    the router gradient and of its experts' gradients from the reference, the dropped share of
-    assignments, and its all-to-all calls and bytes.
-    """
-    config = config or MoEConfig()
-    rank, ep = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(seed)
-    reference = MoE(config)
-    gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(ep * tokens_per_rank, config.d_model, generator=gen).requires_grad_()
-    weight = torch.randn(ep * tokens_per_rank, config.d_model, generator=gen)  # loss = mean_tokens(sum_d w * y)
-    y_ref, routings = reference(x, groups=ep)
-    ((weight * y_ref).sum() / (ep * tokens_per_rank)).backward()
-
-    model = ExpertParallelMoE.from_moe(reference, None)
-    mine = slice(rank * tokens_per_rank, (rank + 1) * tokens_per_rank)
-    x_mine = x.detach()[mine].clone().requires_grad_()
-    with count_traffic() as forward:
-        y, routing = model(x_mine)
-    with count_traffic() as backward:
-        ((weight[mine] * y).sum() / tokens_per_rank).backward()
-    model.average_gradients()
-    expert_error = max(
-        (p.grad - q.grad).abs().max().item()
-        for j, expert in enumerate(model.experts)
-        for p, q in zip(expert.parameters(), reference.experts[model.first_expert + j].parameters(), strict=True)
-    )
-    return {
-        "output_error": (y - y_ref[mine]).abs().max().item(),
-        "input_grad_error": (x_mine.grad - ep * x.grad[mine]).abs().max().item(),
-        "router_grad_error": (model.router.weight.grad - reference.router.weight.grad).abs().max().item(),
-        "expert_grad_error": expert_error,
-        "grad_scale": max(p.grad.abs().max().item() for p in reference.parameters() if p.grad is not None),
-        "dropped": float((routing.slots < 0).float().mean()),
-        "forward": {op: (n, float(sent)) for op, (n, sent) in forward.by_op().items()},
-        "backward": {op: (n, float(sent)) for op, (n, sent) in backward.by_op().items()},
-        "capacity": routing.capacity,
-    }
-
-
-def expert_parallel_study(
-    eps: tuple[int, ...] = (2, 4), *, tokens_per_rank: int = 32, config: MoEConfig | None = None, timeout=300.0
-) -> dict[int, list[dict]]:
-    """Run :func:`compare_expert_parallel` on ``ep`` fresh ranks for each ``ep``; every rank's results."""
-    config = config or MoEConfig()
-    bad = [ep for ep in eps if config.n_experts % ep]
-    if bad:
-        raise ValueError(f"expert-parallel sizes {bad} do not divide n_experts ({config.n_experts})")
-    return {
-        ep: launch(compare_expert_parallel, ep, tokens_per_rank=tokens_per_rank, config=config, timeout=timeout)
-        for ep in eps
-    }
-
-
-# ------------------------------------------------------------------------------ load balance in training
-
-
-class MoEBlock(nn.Module):
-    """A pre-LN Transformer block whose MLP is a :class:`MoE`."""
-
-    def __init__(self, gpt_config: GPTConfig, moe_config: MoEConfig):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(gpt_config.n_embd)
-        self.attn = CausalSelfAttention(gpt_config)
-        self.ln_2 = nn.LayerNorm(gpt_config.n_embd)
-        self.moe = MoE(moe_config)
-
-    def forward(self, x: torch.Tensor, use_bias: bool):
-        x = x + self.attn(self.ln_1(x))
-        y, routings = self.moe(self.ln_2(x), use_bias=use_bias)
-        return x + y, routings[0]
-
-
-class MoELanguageModel(nn.Module):
-    """A small byte-level decoder with MoE MLPs, to watch expert load while it trains."""
-
-    def __init__(self, n_layer: int = 2, block_size: int = 64, moe_config: MoEConfig | None = None):
-        super().__init__()
-        self.moe_config = moe_config or MoEConfig()
-        d = self.moe_config.d_model
-        gpt_config = GPTConfig(vocab_size=256, block_size=block_size, n_layer=n_layer, n_head=4, n_embd=d)
-        self.wte = nn.Embedding(256, d)
-        self.wpe = nn.Embedding(block_size, d)
-        self.blocks = nn.ModuleList(MoEBlock(gpt_config, self.moe_config) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(d)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor, use_bias: bool = False):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        routings = []
-        for block in self.blocks:
-            x, routing = block(x, use_bias)
-            routings.append(routing)
-        logits = self.ln_f(x) @ self.wte.weight.t()
-        return F.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1)), routings
-
-
-def train_load_balance(
-    balancing: str, *, steps: int = 100, batch_size: int = 8, seq_len: int = 64, lr: float = 1e-3, seed: int = 0,
-    moe_config: MoEConfig | None = None,
-) -> dict[str, list[float]]:  # fmt: skip
-    """Train :class:`MoELanguageModel` on the default corpus with ``balancing`` in ``BALANCING``.
-
-    Returns per step the language-model loss, the load imbalance (max over mean assignments per expert,
-    averaged over layers, before dropping) and the share of dropped assignments.
-    """
-    if balancing not in BALANCING:
-        raise ValueError(f"balancing must be one of {BALANCING}, got {balancing!r}")
-    # Matrices this small gain nothing from a second thread, and on a busy machine the threads' waiting
-    # for each other costs many times the work; one thread also makes the run bit-identical everywhere.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _train_load_balance(balancing, steps, batch_size, seq_len, lr, seed, moe_config)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _train_load_balance(balancing, steps, batch_size, seq_len, lr, seed, moe_config) -> dict[str, list[float]]:
-    torch.manual_seed(seed)
-    model = MoELanguageModel(block_size=seq_len, moe_config=moe_config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    tokens = data.tokenize(data.default_corpus())
-    gen = torch.Generator().manual_seed(seed)
-    history = {"loss": [], "imbalance": [], "dropped": []}
-    for _ in range(steps):
-        idx, targets = data.get_batch(tokens, batch_size, seq_len, gen)
-        loss, routings = model(idx, targets, use_bias=balancing == "bias")
-        total = loss
-        if balancing == "aux_loss":
-            total = loss + model.moe_config.aux_loss_weight * sum(aux_loss(r, model.moe_config.n_experts)
-                                                                  for r in routings)  # fmt: skip
-        optimizer.zero_grad()
-        total.backward()
-        optimizer.step()
-        if balancing == "bias":
-            for block, routing in zip(model.blocks, routings, strict=True):
-                block.moe.update_bias(routing.load)
-        history["loss"].append(loss.item())
-        history["imbalance"].append(sum(float(r.load.max() / r.load.float().mean()) for r in routings) / len(routings))
-        history["dropped"].append(sum(float((r.slots < 0).float().mean()) for r in routings) / len(routings))
-    return history

@@ -1,0 +1,150 @@
+"""Chapter 14's mixture-of-experts experiments: expert parallelism against one MoE, and load balance in training.
+
+:func:`compare_expert_parallel` runs :class:`scalebook.parallel.expert.ExpertParallelMoE` on every rank against
+one :class:`~scalebook.parallel.expert.MoE` holding all experts; :func:`train_load_balance` trains a small
+byte-level GPT with MoE MLPs with no balancing, the auxiliary loss or DeepSeek-V3's bias update and records
+the experts' load.
+
+Source: Lepikhin et al. 2021, "GShard", Sec. 2.2; Fedus, Zoph and Shazeer 2022, "Switch Transformers";
+Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from scalebook import data
+from scalebook.comm import count_traffic, launch
+from scalebook.model import GPT, GPTConfig
+from scalebook.parallel.expert import (
+    ExpertParallelMoE,
+    MoE,
+    MoEConfig,
+    aux_loss,
+    reduce_expert_gradients,
+)
+
+BALANCING = ("none", "aux_loss", "bias")
+
+__all__ = ["BALANCING", "compare_expert_parallel", "expert_parallel_study", "train_load_balance"]
+
+
+def compare_expert_parallel(*, tokens_per_rank: int = 32, config: MoEConfig | None = None, seed: int = 0) -> dict:
+    """On every rank (run it with :func:`scalebook.comm.launch`): expert-parallel MoE against one :class:`MoE`
+    holding all experts, with one group per rank.
+
+    The loss is a weighted mean over tokens: the reference takes it over all ep * tokens_per_rank tokens,
+    each rank over its own (as data parallelism does). The router's gradient is averaged over the ranks as a
+    data-parallel wrapper would, the experts' by :func:`reduce_expert_gradients`. Returns this rank's
+    largest deviation of the output, of its tokens' input gradients (times ep: a token's share of the local
+    mean is ep times its share of the global one), of the router gradient and of its experts' gradients
+    from the reference, the dropped share of assignments, and its all-to-all calls and bytes.
+    """
+    config = config or MoEConfig()
+    rank, ep = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    reference = MoE(config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(ep * tokens_per_rank, config.d_model, generator=gen).requires_grad_()
+    weight = torch.randn(ep * tokens_per_rank, config.d_model, generator=gen)  # loss = mean_tokens(sum_d w * y)
+    y_ref = reference(x, groups=ep)
+    ((weight * y_ref).sum() / (ep * tokens_per_rank)).backward()
+
+    model = ExpertParallelMoE.from_moe(reference, None)
+    mine = slice(rank * tokens_per_rank, (rank + 1) * tokens_per_rank)
+    x_mine = x.detach()[mine].clone().requires_grad_()
+    with count_traffic() as forward:
+        y = model(x_mine)
+    with count_traffic() as backward:
+        ((weight[mine] * y).sum() / tokens_per_rank).backward()
+    dist.all_reduce(model.router.weight.grad.div_(ep))  # the data-parallel average of a replicated parameter
+    reduce_expert_gradients(model)
+    expert_error = max(
+        (p.grad - q.grad).abs().max().item()
+        for j, expert in enumerate(model.experts)
+        for p, q in zip(expert.parameters(), reference.experts[model.first_expert + j].parameters(), strict=True)
+    )
+    routing = model.routings[0]
+    return {
+        "output_error": (y - y_ref[mine]).abs().max().item(),
+        "input_grad_error": (x_mine.grad - ep * x.grad[mine]).abs().max().item(),
+        "router_grad_error": (model.router.weight.grad - reference.router.weight.grad).abs().max().item(),
+        "expert_grad_error": expert_error,
+        "grad_scale": max(p.grad.abs().max().item() for p in reference.parameters() if p.grad is not None),
+        "dropped": float((routing.slots < 0).float().mean()),
+        "forward": {op: (n, float(sent)) for op, (n, sent) in forward.by_op().items()},
+        "backward": {op: (n, float(sent)) for op, (n, sent) in backward.by_op().items()},
+        "capacity": routing.capacity,
+    }
+
+
+def expert_parallel_study(
+    eps: tuple[int, ...] = (2, 4), *, tokens_per_rank: int = 32, config: MoEConfig | None = None, timeout=300.0
+) -> dict[int, list[dict]]:
+    """Run :func:`compare_expert_parallel` on ``ep`` fresh ranks for each ``ep``; every rank's results."""
+    config = config or MoEConfig()
+    bad = [ep for ep in eps if config.n_experts % ep]
+    if bad:
+        raise ValueError(f"expert-parallel sizes {bad} do not divide n_experts ({config.n_experts})")
+    return {
+        ep: launch(compare_expert_parallel, ep, tokens_per_rank=tokens_per_rank, config=config, timeout=timeout)
+        for ep in eps
+    }
+
+
+# ------------------------------------------------------------------------------ load balance in training
+
+
+def train_load_balance(
+    balancing: str, *, steps: int = 100, batch_size: int = 8, seq_len: int = 64, lr: float = 1e-3, seed: int = 0,
+    n_experts: int = 8, top_k: int = 2, capacity_factor: float = 1.25,
+) -> dict[str, list[float]]:  # fmt: skip
+    """Train a small byte-level :class:`scalebook.model.GPT` with MoE MLPs (2 layers, width 64, ``n_experts``
+    experts, top ``top_k``, with capacity, so that tokens can drop) on the default corpus, with ``balancing``
+    in ``BALANCING``: none, the auxiliary loss added to the language-model loss, or the selection-bias update.
+
+    Returns per step the language-model loss, the load imbalance (max over mean assignments per expert,
+    averaged over layers, before dropping) and the share of dropped assignments.
+    """
+    if balancing not in BALANCING:
+        raise ValueError(f"balancing must be one of {BALANCING}, got {balancing!r}")
+    # Matrices this small gain nothing from a second thread, and on a busy machine the threads' waiting
+    # for each other costs many times the work; one thread also makes the run bit-identical everywhere.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = GPTConfig(vocab_size=256, block_size=seq_len, n_layer=2, n_head=4, n_embd=64, n_experts=n_experts,
+                           expert_top_k=top_k, expert_capacity_factor=capacity_factor)  # fmt: skip
+        torch.manual_seed(seed)
+        return _train_load_balance(GPT(config), balancing, steps, batch_size, seq_len, lr, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_load_balance(model, balancing, steps, batch_size, seq_len, lr, seed) -> dict[str, list[float]]:
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        layer.balance_by_bias = balancing == "bias"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    tokens = data.corpus_tokens()
+    gen = torch.Generator().manual_seed(seed)
+    history = {"loss": [], "imbalance": [], "dropped": []}
+    for _ in range(steps):
+        idx, targets = data.get_batch(tokens, batch_size, seq_len, gen)
+        _, loss = model(idx, targets)
+        routings = [layer.routings[0] for layer in layers]
+        total = loss
+        if balancing == "aux_loss":
+            total = loss + sum(layer.config.aux_loss_weight * aux_loss(r, layer.config.n_experts)
+                               for layer, r in zip(layers, routings, strict=True))  # fmt: skip
+        optimizer.zero_grad()
+        total.backward()
+        optimizer.step()
+        if balancing == "bias":
+            for layer, routing in zip(layers, routings, strict=True):
+                layer.update_bias(routing.load)
+        history["loss"].append(loss.item())
+        history["imbalance"].append(sum(float(r.load.max() / r.load.float().mean()) for r in routings) / len(routings))
+        history["dropped"].append(sum(float((r.slots < 0).float().mean()) for r in routings) / len(routings))
+    return history
