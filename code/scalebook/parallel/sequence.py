@@ -12,27 +12,35 @@ the borders of the tensor-parallel regions:
     g:  all-reduce     | identity    (backward)   g-bar:  reduce-scatter      | all-gather     (backward)
 
 A ring all-reduce is a reduce-scatter followed by an all-gather, so the bytes sent stay the same; the
-LayerNorm region now holds ``s / t`` tokens. The first linear layer after an all-gather needs the whole
-sequence again in its backward pass (its weight gradient is ``dY^T X`` over all tokens); keeping the
-gathered ``X`` would cost the memory sequence parallelism saves, so :func:`all_gather_linear` keeps only
-this rank's shard and all-gathers it a second time in the backward pass, as Megatron-LM does.
+LayerNorm region now holds ``s / t`` tokens. The modules that need the whole sequence (attention, which
+mixes tokens; the MLP and the LM head, whose column-parallel layers take every token) gather it at their
+input (:func:`gather_sequence_at_input`, where torchtitan's plan gathers it too). Their first linear layer
+needs the whole sequence again in its backward pass (its weight gradient is ``dY^T X`` over all tokens);
+keeping the gathered ``X`` would cost the memory sequence parallelism saves, so
+:func:`sequence_shard_saving_linear` keeps only this rank's shard and all-gathers it a second time in the
+backward pass, as Megatron-LM does.
 
-Parameters used on a sequence shard (LayerNorm weights, biases added after a reduce-scatter, position
-embeddings) receive gradients from ``s / t`` tokens on each rank; :func:`all_reduce_sequence_parallel_grads`
-sums them once per step.
+The position embeddings of a sequence shard are those of its own tokens: :class:`SequenceShardedEmbedding`
+looks up this rank's chunk of the positions. Parameters used on a sequence shard (LayerNorm weights, biases
+added after a reduce-scatter, position embeddings) receive gradients from ``s / t`` tokens on each rank;
+:func:`all_reduce_sequence_parallel_grads` sums them once per step.
 
 Tensors here are batch-first ``(b, s, h)`` like the rest of the package; the sequence is dimension 1.
 The collectives move sequence-first copies so that every rank's chunk is one contiguous block.
 
 Source: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-Sec. 4.2.2 and Fig. 5; Megatron-LM, ``megatron/core/tensor_parallel/mappings.py`` and ``layers.py``.
+Sec. 4.2.2 and Fig. 5; Megatron-LM, ``megatron/core/tensor_parallel/mappings.py`` and ``layers.py``;
+torchtitan, ``torchtitan/models/llama3/infra/parallelize.py`` (``apply_tp``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 SEQUENCE_DIM = 1
 
@@ -85,24 +93,27 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _gather_sequence(grad, ctx.group), None
 
 
-class _AllGatherLinear(torch.autograd.Function):
-    """``F.linear(all_gather(x), weight, bias)`` that saves only the local shard of ``x`` for backward."""
+class _SequenceShardSavingLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` of the gathered sequence that saves only this rank's ``s / t`` tokens of
+    ``x`` for backward, and all-gathers them again there."""
 
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, group):
-        ctx.save_for_backward(x_shard, weight)
+    def forward(ctx, x, weight, bias, group):
+        mine = x.chunk(dist.get_world_size(group), dim=SEQUENCE_DIM)[dist.get_rank(group)]
+        ctx.save_for_backward(mine.contiguous(), weight)
         ctx.group, ctx.has_bias = group, bias is not None
-        return F.linear(_gather_sequence(x_shard, group), weight, bias)
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         x_shard, weight = ctx.saved_tensors
         # The weight gradient sums over every token, so the whole sequence is gathered again.
         x = _gather_sequence(x_shard, ctx.group)
-        grad_x = _reduce_scatter_sequence(grad_out @ weight, ctx.group)
         grad_weight = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
         grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad_x, grad_weight, grad_bias, None
+        # The input's gradient is this rank's part of a sum over ranks: the all-gather that produced the
+        # input reduce-scatters it in its own backward pass.
+        return grad_out @ weight, grad_weight, grad_bias, None
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -115,11 +126,36 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> t
     return _ReduceScatterToSequenceParallelRegion.apply(x, group)
 
 
-def all_gather_linear(x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group=None):
-    """The column-parallel linear layer under sequence parallelism: all-gather the (b, s/t, h) input along
-    the sequence, multiply by this rank's ``weight`` shard; only the shard is saved, so the backward pass
-    all-gathers it again (one more all-gather per call) and reduce-scatters the input gradient."""
-    return _AllGatherLinear.apply(x_shard, weight, bias, group)
+def sequence_shard_saving_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group=None):
+    """The column-parallel linear layer under sequence parallelism: ``F.linear`` of the (b, s, h) input that
+    :func:`gather_sequence_at_input` gathered, keeping only this rank's (b, s/t, h) of it for backward, where
+    it is all-gathered again (one more all-gather per call)."""
+    return _SequenceShardSavingLinear.apply(x, weight, bias, group)
+
+
+def _gather_first_input(group, module, args):
+    return (gather_from_sequence_parallel_region(args[0], group), *args[1:])
+
+
+def gather_sequence_at_input(module: nn.Module, group=None):
+    """Make ``module`` receive the whole sequence: a forward pre-hook all-gathers its first input (b, s/t, h)
+    along the sequence (reduce-scatter in the backward pass), like DTensor's
+    ``PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())``. Returns the hook's handle."""
+    return module.register_forward_pre_hook(functools.partial(_gather_first_input, group))
+
+
+class SequenceShardedEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` of positions that looks up only this rank's ``1/t`` chunk of them, in rank order:
+    ``wpe(positions)`` of s positions gives the (s/t, h) embeddings of the tokens this rank holds."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group=None, device=None, dtype=None):
+        super().__init__(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        self.group = group
+        mark_sequence_parallel(self.weight)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        mine = positions.chunk(dist.get_world_size(self.group))[dist.get_rank(self.group)]
+        return super().forward(mine)
 
 
 def mark_sequence_parallel(param: torch.nn.Parameter) -> torch.nn.Parameter:

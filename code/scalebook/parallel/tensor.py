@@ -18,46 +18,61 @@ and the output projection's shard is the matching columns.
 
 The vocabulary is split too. The embedding matrix (V, h), which the LM head shares, is cut into V/t
 rows per rank; a token another rank holds embeds to zeros here and the all-reduce g fills it in. The
-head produces V/t logits per token on each rank, and :func:`vocab_parallel_cross_entropy` computes the
-loss from the shards with three all-reduces of one number per token (maximum, sum of exponentials,
-target logit), so the (b s, V) logits never exist on one rank.
+head is a column-parallel layer producing V/t logits per token on each rank, and
+:func:`vocab_parallel_cross_entropy` computes the loss from the shards with three all-reduces of one
+number per token (maximum, sum of exponentials, target logit), so the (b s, V) logits never exist on one rank.
 
 With ``sequence_parallel=True`` the operators at the borders become those of
 :mod:`scalebook.parallel.sequence` (all-gather / reduce-scatter along the sequence), and the LayerNorms,
 residual additions and position embeddings work on s/t tokens per rank.
 
-A :class:`TensorParallelGPT` is built from an unsharded :class:`scalebook.model.GPT`, each rank copying its
-shard (as Megatron-LM's CPU initialization does, so that results do not depend on t), which makes it
-comparable, loss and gradients, with the model it came from.
+:func:`apply_tensor_parallel` does all of this in place on a :class:`scalebook.model.GPT` (or a pipeline
+stage of one), the shape of PyTorch's ``parallelize_module``: it swaps in the parallel layers, each rank
+copying its shard of the existing weights (as Megatron-LM's CPU initialization does, so that results do not
+depend on t), and the model's own forward then runs tensor-parallel. :func:`full_state_dict` and
+:func:`full_gradients` gather the shards back into the unsharded model's layout.
 
 Source: Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
 Parallelism", Sec. 3 and Fig. 3; Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models", Sec. 4.2; Megatron-LM, ``megatron/core/tensor_parallel/{layers,mappings,cross_entropy}.py``.
+Transformer Models", Sec. 4.2; Megatron-LM, ``megatron/core/tensor_parallel/{layers,mappings,cross_entropy}.py``;
+PyTorch, ``torch.distributed.tensor.parallel.parallelize_module``.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import functools
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from scalebook import data, measure
-from scalebook.accounting.comm import alpha_beta_time
-from scalebook.accounting.params import layer_matmul_weights
-from scalebook.comm import count_traffic, launch
-from scalebook.configs import ModelConfig
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel.sequence import (
-    all_gather_linear,
-    all_reduce_sequence_parallel_grads,
+    SequenceShardedEmbedding,
+    gather_sequence_at_input,
     mark_sequence_parallel,
     reduce_scatter_to_sequence_parallel_region,
+    sequence_shard_saving_linear,
 )
-from scalebook.parity import max_relative_difference
+
+__all__ = [
+    "SHARDING",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "apply_tensor_parallel",
+    "copy_to_tensor_parallel_region",
+    "full_gradients",
+    "full_state_dict",
+    "reduce_from_tensor_parallel_region",
+    "shard_tensor",
+    "sharding_of",
+    "unshard_tensor",
+    "validate_tensor_parallel",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_lm_loss",
+]
 
 # ------------------------------------------------------------------------------------------ the layout
 
@@ -121,6 +136,7 @@ SHARDING = {
     "mlp.c_fc.bias": 0,
     "mlp.c_proj.weight": 1,
     "wte.weight": 0,
+    "lm_head.weight": 0,
 }
 
 
@@ -195,31 +211,39 @@ def reduce_from_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Ten
 
 
 class ColumnParallelLinear(nn.Module):
-    """``Y_i = X A_i``: this rank's ``out_features / t`` outputs of a linear layer; the input is whole."""
+    """``Y_i = X A_i``: this rank's ``out_features / t`` outputs of a linear layer; the input is whole.
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, group=None, sequence_parallel=False):
+    The LM head is one too (``bias=False``, its weight the vocabulary-parallel embedding's): each rank
+    computes the logits of its ``V / t`` vocabulary entries.
+    """
+
+    def __init__(
+        self, in_features, out_features, *, bias, group=None, sequence_parallel=False, device=None, dtype=None
+    ):
         super().__init__()
-        tp = dist.get_world_size(group)
+        tp, kw = dist.get_world_size(group), {"device": device, "dtype": dtype}
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features // tp)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features // tp, **kw)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:  # x holds s/t tokens: gather the sequence first
-            return all_gather_linear(x, self.weight, self.bias, self.group)
+        if self.sequence_parallel:  # x is the sequence gathered at the module's input: keep only our tokens of it
+            return sequence_shard_saving_linear(x, self.weight, self.bias, self.group)
         return F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """``Z = sum_i Y_i B_i``: this rank's ``in_features / t`` inputs; the partial products are summed."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, group=None, sequence_parallel=False):
+    def __init__(
+        self, in_features, out_features, *, bias, group=None, sequence_parallel=False, device=None, dtype=None
+    ):
         super().__init__()
-        tp = dist.get_world_size(group)
+        tp, kw = dist.get_world_size(group), {"device": device, "dtype": dtype}
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp, **kw))
         # The bias is added once, after the sum, so every rank holds all of it.
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         if self.bias is not None and sequence_parallel:
             mark_sequence_parallel(self.bias)
 
@@ -235,13 +259,13 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Token embedding with the vocabulary split over ranks: rows ``[vocab_start, vocab_end)`` live here."""
 
-    def __init__(self, vocab_size: int, dim: int, *, group=None, sequence_parallel=False):
+    def __init__(self, vocab_size, dim, *, group=None, sequence_parallel=False, device=None, dtype=None):
         super().__init__()
         tp, rank = dist.get_world_size(group), dist.get_rank(group)
         self.group, self.sequence_parallel = group, sequence_parallel
         self.vocab_start = rank * (vocab_size // tp)
         self.vocab_end = self.vocab_start + vocab_size // tp
-        self.weight = nn.Parameter(torch.empty(vocab_size // tp, dim))
+        self.weight = nn.Parameter(torch.empty(vocab_size // tp, dim, device=device, dtype=dtype))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         elsewhere = (idx < self.vocab_start) | (idx >= self.vocab_end)
@@ -290,319 +314,114 @@ def vocab_parallel_cross_entropy(
     return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group)
 
 
-class TensorParallelAttention(nn.Module):
-    """Causal self-attention over this rank's ``n_head / t`` heads."""
-
-    def __init__(self, config: GPTConfig, group=None, sequence_parallel: bool = False):
-        super().__init__()
-        tp = dist.get_world_size(group)
-        self.n_local_heads, self.head_dim, self.attn_impl = config.n_head // tp, config.head_dim, config.attn_impl
-        h = config.n_embd
-        kw = dict(bias=config.bias, group=group, sequence_parallel=sequence_parallel)
-        self.c_attn = ColumnParallelLinear(h, 3 * h, **kw)
-        self.c_proj = RowParallelLinear(h, h, **kw)
-        future = torch.ones(config.block_size, config.block_size, dtype=torch.bool).triu(1)
-        self.register_buffer("future", future, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.c_attn(x)  # (b, s, 3 h/t): Q, K and V of this rank's heads
-        B, T, _ = qkv.shape
-        q, k, v = (t.view(B, T, self.n_local_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
-        if self.attn_impl == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-            y = F.softmax(scores.masked_fill(self.future[:T, :T], float("-inf")), dim=-1) @ v
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+def vocab_parallel_lm_loss(logits: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
+    """:func:`scalebook.model.lm_loss` for (B, T, V/t) logits of rank ``r``'s vocabulary slice ``[r V/t, (r+1) V/t)``:
+    the mean next-token cross-entropy over every position, in float32, the same number on every rank."""
+    logits = logits.reshape(-1, logits.size(-1)).float()
+    vocab_start = dist.get_rank(group) * logits.size(-1)
+    return vocab_parallel_cross_entropy(logits, targets.reshape(-1), vocab_start, group).mean()
 
 
-class TensorParallelMLP(nn.Module):
-    """h -> 4h/t (column-parallel) -> GELU -> h (row-parallel)."""
-
-    def __init__(self, config: GPTConfig, group=None, sequence_parallel: bool = False):
-        super().__init__()
-        kw = dict(bias=config.bias, group=group, sequence_parallel=sequence_parallel)
-        self.c_fc = ColumnParallelLinear(config.n_embd, 4 * config.n_embd, **kw)
-        self.gelu = nn.GELU(approximate="tanh")
-        self.c_proj = RowParallelLinear(4 * config.n_embd, config.n_embd, **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.gelu(self.c_fc(x)))
+# ----------------------------------------------------------------------------------- applying it to a GPT
 
 
-def _layer_norm(config: GPTConfig, sequence_parallel: bool) -> nn.LayerNorm:
-    norm = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+def _parallel_linear(cls, linear: nn.Linear, **kw) -> nn.Module:
+    """An empty ``cls`` (column- or row-parallel) shaped like ``linear``, on its device and in its dtype."""
+    return cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+               device=linear.weight.device, dtype=linear.weight.dtype, **kw)  # fmt: skip
+
+
+def _parallelize_block(block: nn.Module, group, sequence_parallel: bool) -> None:
+    kw = {"group": group, "sequence_parallel": sequence_parallel}
+    block.attn.c_attn = _parallel_linear(ColumnParallelLinear, block.attn.c_attn, **kw)
+    block.attn.c_proj = _parallel_linear(RowParallelLinear, block.attn.c_proj, **kw)
+    block.mlp.c_fc = _parallel_linear(ColumnParallelLinear, block.mlp.c_fc, **kw)
+    block.mlp.c_proj = _parallel_linear(RowParallelLinear, block.mlp.c_proj, **kw)
     if sequence_parallel:
-        for p in norm.parameters():
+        # The norms see s/t tokens (their gradients are partial sums); attention and MLP gather the sequence.
+        for p in (*block.ln_1.parameters(), *block.ln_2.parameters()):
             mark_sequence_parallel(p)
-    return norm
+        gather_sequence_at_input(block.attn, group)
+        gather_sequence_at_input(block.mlp, group)
 
 
-class TensorParallelBlock(nn.Module):
-    """The pre-LN block of :class:`scalebook.model.Block` with tensor-parallel attention and MLP."""
+def apply_tensor_parallel(model: GPT, group=None, *, sequence_parallel: bool = False) -> GPT:
+    """Make ``model`` this rank's tensor-parallel part over ``group``, in place; returns it.
 
-    def __init__(self, config: GPTConfig, group=None, sequence_parallel: bool = False):
-        super().__init__()
-        self.ln_1 = _layer_norm(config, sequence_parallel)
-        self.attn = TensorParallelAttention(config, group, sequence_parallel)
-        self.ln_2 = _layer_norm(config, sequence_parallel)
-        self.mlp = TensorParallelMLP(config, group, sequence_parallel)
+    ``model`` is a :class:`scalebook.model.GPT` or a pipeline stage of one (``wte`` or ``lm_head`` may be
+    None, ``blocks`` any of its layers). Every rank must pass the same weights: each keeps its shard of them
+    (``SHARDING``). The QKV and first MLP layers become :class:`ColumnParallelLinear`, the output
+    projections :class:`RowParallelLinear`, ``wte`` a :class:`VocabParallelEmbedding`, the head a
+    column-parallel layer over the vocabulary holding the same Parameter as ``wte`` when they were tied, and
+    ``model.loss_fn`` :func:`vocab_parallel_lm_loss`. ``model(idx, targets)`` then returns this rank's
+    (B, T, V/t) logits and the full loss. Build the optimizer afterwards: the sharded parameters are new.
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class TensorParallelGPT(nn.Module):
-    """One tensor-parallel rank's part of a :class:`scalebook.model.GPT`; build it with :meth:`from_gpt`.
-
-    ``forward(idx, targets)`` returns ``(logits, loss)``: this rank's (b, s, V/t) logits and the mean
-    cross-entropy over all tokens (the same number on every rank). Parameters carry the names of the
-    GPT they came from. Under sequence parallelism call
+    With ``sequence_parallel`` the residual stream between the layers holds T/t tokens per rank (a stage's
+    input and output too), ``wpe`` returns this rank's positions, and the head gathers the sequence; call
     :func:`scalebook.parallel.sequence.all_reduce_sequence_parallel_grads` after the backward pass.
     """
+    if not isinstance(model, GPT):
+        raise ValueError(f"apply_tensor_parallel shards a scalebook.model.GPT (or a pipeline stage of one), got a "
+                         f"{type(model).__name__}; build the model with scalebook.model.GPT")  # fmt: skip
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    validate_tensor_parallel(model.config, tp)
+    full = dict(model.named_parameters())  # the unsharded weights, by name; a tied head appears once
+    kw = {"group": group, "sequence_parallel": sequence_parallel}
+    for block in model.blocks:
+        _parallelize_block(block, group, sequence_parallel)
+    tied = model.wte is not None and model.lm_head is not None and model.lm_head.weight is model.wte.weight
+    if model.wte is not None:
+        wte = model.wte.weight
+        model.wte = VocabParallelEmbedding(*wte.shape, device=wte.device, dtype=wte.dtype, **kw)
+    if model.lm_head is not None:
+        model.lm_head = _parallel_linear(ColumnParallelLinear, model.lm_head, **kw)
+        if tied:
+            model.lm_head.weight = model.wte.weight
+        model.loss_fn = functools.partial(vocab_parallel_lm_loss, group=group)
+    if sequence_parallel:
+        if model.wte is not None:
+            wpe = model.wpe.weight
+            model.wpe = SequenceShardedEmbedding(*wpe.shape, group=group, device=wpe.device, dtype=wpe.dtype)
+        if model.lm_head is not None:
+            for p in model.ln_f.parameters():
+                mark_sequence_parallel(p)
+            gather_sequence_at_input(model.lm_head, group)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param is not full[name]:  # a new (sharded or re-homed) parameter: copy this rank's piece
+                param.copy_(shard_tensor(full[name], sharding_of(name), rank, tp))
+    return model
 
-    def __init__(self, config: GPTConfig, group=None, *, sequence_parallel: bool = False):
-        super().__init__()
-        self.tp, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        validate_tensor_parallel(config, self.tp)
-        self.config, self.group, self.sequence_parallel = config, group, sequence_parallel
-        self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd, group=group,
-                                          sequence_parallel=sequence_parallel)  # fmt: skip
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
-        if sequence_parallel:
-            mark_sequence_parallel(self.wpe.weight)
-        self.blocks = nn.ModuleList(
-            TensorParallelBlock(config, group, sequence_parallel) for _ in range(config.n_layer)
-        )
-        self.ln_f = _layer_norm(config, sequence_parallel)
 
-    @classmethod
-    def from_gpt(cls, model: GPT, group=None, *, sequence_parallel: bool = False) -> TensorParallelGPT:
-        """This rank's shard of every weight of ``model`` (the LM head is tied to ``wte`` and shares its shard)."""
-        tp_model = cls(model.config, group, sequence_parallel=sequence_parallel)
-        full = dict(model.named_parameters())  # the tied head appears once, as wte.weight
-        with torch.no_grad():
-            for name, param in tp_model.named_parameters():
-                param.copy_(shard_tensor(full[name].detach(), sharding_of(name), tp_model.rank, tp_model.tp))
-        return tp_model
+# ---------------------------------------------------------------------------------- gathering it back
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        B, T = idx.shape
-        validate_tensor_parallel(self.config, self.tp, sequence_parallel=self.sequence_parallel, seq_len=T)
-        positions = torch.arange(T, device=idx.device)
-        if self.sequence_parallel:  # this rank's tokens only, from here to the LM head
-            positions = positions.chunk(self.tp)[self.rank]
-        x = self.wte(idx) + self.wpe(positions)
-        for block in self.blocks:
-            x = block(x)
-        x = self.ln_f(x)
-        if self.sequence_parallel:
-            logits = all_gather_linear(x, self.wte.weight, None, self.group)
-        else:
-            logits = F.linear(copy_to_tensor_parallel_region(x, self.group), self.wte.weight)
-        loss = None
-        if targets is not None:
-            losses = vocab_parallel_cross_entropy(
-                logits.reshape(B * T, -1), targets.reshape(-1), self.wte.vocab_start, self.group
-            )
-            loss = losses.mean()
-        return logits, loss
 
-    def _gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        full = {}
-        for name, tensor in tensors.items():
-            layout = sharding_of(name)
+def _gather(tensors: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:
+    """Each tensor reassembled from every rank's piece by its name's layout; a tensor named twice (a tied
+    weight) is gathered once."""
+    tp, full, done = dist.get_world_size(group), {}, {}
+    for name, tensor in tensors.items():
+        if id(tensor) not in done:  # ``tensors`` holds every tensor alive, so ids are not reused meanwhile
+            layout, local = sharding_of(name), tensor.detach()
             if layout is None:
-                full[name] = tensor.detach().clone()
-                continue
-            pieces = [torch.empty_like(tensor) for _ in range(self.tp)]
-            dist.all_gather(pieces, tensor.detach().contiguous(), group=self.group)
-            full[name] = unshard_tensor(pieces, layout)
-        return full
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter reassembled in the unsharded GPT's layout (a collective: all ranks call it)."""
-        return self._gather(dict(self.named_parameters()))
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Every parameter's gradient in the unsharded GPT's layout (a collective: all ranks call it)."""
-        return self._gather({name: p.grad for name, p in self.named_parameters()})
+                done[id(tensor)] = local.clone()
+            else:
+                pieces = [torch.empty_like(local) for _ in range(tp)]
+                dist.all_gather(pieces, local.contiguous(), group=group)
+                done[id(tensor)] = unshard_tensor(pieces, layout)
+        full[name] = done[id(tensor)]
+    return full
 
 
-# ----------------------------------------------------------------------------- time: why TP stays in a node
+def full_state_dict(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
+    """The unsharded model's ``state_dict`` (same names, shapes and values), gathered from a model made
+    tensor-parallel by :func:`apply_tensor_parallel` over ``group``: a collective, every rank calls it and
+    every rank gets it. A pipeline stage gives its own entries."""
+    return _gather(model.state_dict(keep_vars=True), group)
 
 
-@dataclass(frozen=True)
-class LayerTimes:
-    """Seconds one Transformer layer spends per micro-batch (forward + backward) on one tensor-parallel rank."""
-
-    compute: float
-    communication: float
-
-    @property
-    def communication_fraction(self) -> float:
-        """Share of the step spent communicating if nothing overlaps: comm / (compute + comm)."""
-        return self.communication / (self.compute + self.communication)
-
-
-def tensor_parallel_layer_times(
-    cfg: ModelConfig,
-    tp: int,
-    *,
-    seq_len: int,
-    micro_batch: int,
-    peak_flops: float,
-    mfu: float,
-    bandwidth: float,
-    alpha: float,
-    dtype_bytes: int = 2,
-) -> LayerTimes:
-    """Compute and communication time of one layer's forward and backward pass under tensor parallelism.
-
-    Compute: the layer's training FLOPs, ``3 (2 W + 4 s h)`` per token (W its matmul weights, as in
-    :func:`scalebook.accounting.flops_per_token`), split over ``tp`` ranks running at ``mfu`` of
-    ``peak_flops``. Communication: four ring all-reduces of the ``s b h`` activations (two forward, two
-    backward) over ``tp`` ranks in the alpha-beta model, on a link of ``bandwidth`` B/s per direction with
-    latency ``alpha`` s. Sequence parallelism moves the same bytes in the same number of ring steps.
-    """
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be a positive integer, got {tp!r}")
-    if not 0 < mfu <= 1:
-        raise ValueError(f"mfu must be a fraction in (0, 1], got {mfu!r}")
-    tokens, h = seq_len * micro_batch, cfg.d_model
-    flops = tokens * 3 * (2 * layer_matmul_weights(cfg) + 4 * seq_len * h)
-    message = tokens * h * dtype_bytes
-    comm = 4 * alpha_beta_time("all_reduce", message, tp, alpha=alpha, bandwidth=bandwidth)
-    return LayerTimes(compute=flops / (tp * peak_flops * mfu), communication=comm)
-
-
-# ---------------------------------------------------------------------------------- measuring it on ranks
-
-
-def _traffic_by_op(traffic) -> dict[str, tuple[int, float]]:
-    """``{op: (calls, bytes sent)}``; a library collective's bytes are the ring algorithm's for its message."""
-    return {op: (count, float(sent)) for op, (count, sent) in traffic.by_op().items()}
-
-
-def _bytes_by_sharding(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Bytes of the tensors of sharded parameters and of replicated ones, by the parameter names."""
-    sharded = [t for name, t in tensors.items() if sharding_of(name) is not None]
-    replicated = [t for name, t in tensors.items() if sharding_of(name) is None]
-    return {"sharded": measure.tensor_bytes(sharded), "replicated": measure.tensor_bytes(replicated)}
-
-
-def _tensor_parallel_groups(tp: int):
-    """This rank's group of ``tp`` consecutive ranks (every rank creates every group, in the same order)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mine = None
-    for first in range(0, world, tp):
-        group = dist.new_group(list(range(first, first + tp)))
-        if first <= rank < first + tp:
-            mine = group
-    return mine
-
-
-def _check_study(config: GPTConfig, tps: tuple[int, ...], world: int, seq_len: int, micro_batch: int) -> None:
-    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    for tp in tps:
-        validate_tensor_parallel(config, tp, sequence_parallel=True, seq_len=seq_len)
-    if any(world % tp for tp in tps):
-        raise ValueError(f"every tensor-parallel size in {tps} must divide the number of ranks ({world})")
-
-
-def measure_tensor_parallel(
-    tps: tuple[int, ...] = (2, 4), *, size: str = "tiny", seq_len: int = 64, micro_batch: int = 4, seed: int = 0
-) -> dict:
-    """Run on ``max(tps)`` ranks (:func:`scalebook.comm.launch`): compare TP and TP+SP with the unsharded GPT.
-
-    Every rank builds the same GPT and batch of real text, computes the reference loss and gradients,
-    then for each ``tp`` in ``tps`` (groups of consecutive ranks) and with and without sequence
-    parallelism: the loss and gathered gradients of the sharded model and their largest deviation from
-    the reference (``grad_error`` absolute, ``grad_rel_error`` by :func:`scalebook.parity.max_relative_difference`); the
-    communication calls, message bytes and ring bytes sent of one block's forward and backward pass and
-    of the whole model; the activation bytes saved for backward inside the blocks; the parameter bytes.
-    Returns ``{"reference": {...}, (tp, sp): {...}, ...}`` as seen by this rank.
-    """
-    torch.manual_seed(seed)
-    config = GPTConfig.named(size)
-    _check_study(config, tps, dist.get_world_size(), seq_len, micro_batch)
-    reference = GPT(config)
-    tokens = data.tokenize(data.default_corpus())
-    idx, targets = data.get_batch(tokens, micro_batch, seq_len, torch.Generator().manual_seed(seed))
-    _, ref_loss = reference(idx, targets)
-    ref_loss.backward()
-    ref_params = dict(reference.named_parameters())
-    ref_grads = {name: p.grad for name, p in ref_params.items()}
-    saved = measure.saved_activation_bytes(reference, (idx, targets), layers=reference.blocks)
-    results = {
-        "reference": {
-            "loss": ref_loss.item(),
-            "activation_bytes": saved.in_layers,
-            "param_bytes": _bytes_by_sharding(ref_params),
-            "logits_shape": (micro_batch, seq_len, config.vocab_size),
-        }
-    }
-    groups = {tp: _tensor_parallel_groups(tp) for tp in tps}
-    for tp in tps:
-        for sp in (False, True):
-            model = TensorParallelGPT.from_gpt(reference, groups[tp], sequence_parallel=sp)
-            saved = measure.saved_activation_bytes(model, (idx, targets), layers=model.blocks)
-            with count_traffic() as forward:
-                logits, loss = model(idx, targets)
-            with count_traffic() as backward:
-                loss.backward()
-            with count_traffic() as grad_sync:
-                if sp:
-                    all_reduce_sequence_parallel_grads(model, groups[tp])
-            grads = model.full_gradients()
-            # One block alone: the per-layer traffic, free of the embedding, the head and the loss.
-            block_input = torch.randn(micro_batch, seq_len // tp if sp else seq_len, config.n_embd,
-                                      generator=torch.Generator().manual_seed(seed), requires_grad=True)  # fmt: skip
-            with count_traffic() as layer_forward:
-                out = model.blocks[0](block_input)
-            with count_traffic() as layer_backward:
-                out.backward(torch.ones_like(out))
-            params = dict(model.named_parameters())
-            results[(tp, sp)] = {
-                "loss": loss.item(),
-                "loss_error": abs(loss.item() - ref_loss.item()),
-                "grad_error": max((grads[n] - g).abs().max().item() for n, g in ref_grads.items()),
-                "grad_rel_error": max_relative_difference(grads, ref_grads),
-                "logits_shape": tuple(logits.shape),
-                "activation_bytes": saved.in_layers,
-                "layer_forward": _traffic_by_op(layer_forward),
-                "layer_backward": _traffic_by_op(layer_backward),
-                "layer_forward_messages": layer_forward.message_bytes_by_op(),
-                "layer_backward_messages": layer_backward.message_bytes_by_op(),
-                "model_forward": _traffic_by_op(forward),
-                "model_backward": _traffic_by_op(backward),
-                "grad_sync": _traffic_by_op(grad_sync),
-                "param_bytes": _bytes_by_sharding(params),
-                "grad_bytes": _bytes_by_sharding({n: p.grad for n, p in params.items()}),
-            }
-    return results
-
-
-def tensor_parallel_study(
-    tps: tuple[int, ...] = (2, 4),
-    *,
-    size: str = "tiny",
-    seq_len: int = 64,
-    micro_batch: int = 4,
-    seed: int = 0,
-    timeout: float = 300.0,
-) -> dict:
-    """Check every layout, then run :func:`measure_tensor_parallel` on ``max(tps)`` fresh ranks.
-
-    An impossible layout raises ValueError here, before any process starts. Returns rank 0's results.
-    """
-    tps = tuple(tps)
-    if not tps:
-        raise ValueError("tps must name at least one tensor-parallel size, e.g. (2, 4)")
-    _check_study(GPTConfig.named(size), tps, max(tps), seq_len, micro_batch)
-    results = launch(measure_tensor_parallel, max(tps), tps, size=size, seq_len=seq_len,
-                     micro_batch=micro_batch, seed=seed, timeout=timeout)  # fmt: skip
-    return results[0]
+def full_gradients(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient in the unsharded model's layout, by ``named_parameters`` name (a tied
+    weight once); a collective over ``group``. Under sequence parallelism call it after
+    :func:`scalebook.parallel.sequence.all_reduce_sequence_parallel_grads`."""
+    return _gather({name: p.grad for name, p in model.named_parameters() if p.grad is not None}, group)
