@@ -2,16 +2,14 @@
 and the ring really skips the half-chunk pairs that lie entirely in a query's future. On the GPT, context
 parallelism (alone, and beside data parallelism) gives one process's loss and every one of its gradients."""
 
-import copy
 import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from scalebook.comm import launch
-from scalebook.experiments.context import compare_ring_attention
+from scalebook.experiments.context import compare_ring_attention, gpt_context_parallel_errors
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel import context
 
@@ -60,45 +58,12 @@ def test_half_block_formula_matches_hand_counts():
         assert context.half_blocks_per_rank(cp, split) == expected
 
 
-def gpt_under_context_parallelism(cp: int, split: str) -> dict:
-    """On every rank: a GPT on dp x cp ranks (cp consecutive ranks share a sequence, dp = world / cp groups
-    hold different sequences) against the same GPT on the whole batch in this process. Gradients are averaged
-    over all dp x cp ranks and the loss logged as the mean of the local losses, as the module docstring says."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dp = world // cp
-    cp_groups = [dist.new_group(list(range(d * cp, (d + 1) * cp))) for d in range(dp)]  # every rank makes all
-    torch.manual_seed(0)
-    reference = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
-    model = copy.deepcopy(reference)
-    gen = torch.Generator().manual_seed(1)
-    idx, targets = (torch.randint(0, 64, (2 * dp, 16), generator=gen) for _ in range(2))
-    reference(idx, targets)[1].backward()
-
-    group = cp_groups[rank // cp]
-    context.apply_context_parallel(model, group, split=split)
-    rows = slice(2 * (rank // cp), 2 * (rank // cp + 1))  # this dp rank's two sequences
-    mine, my_targets, positions = context.context_parallel_batch(idx[rows], targets[rows], group, split)
-    _, loss = model(mine, my_targets, positions=positions)
-    loss.backward()
-    for p in model.parameters():  # the data-parallel wrapper's job, over dp x cp: here the whole world
-        dist.all_reduce(p.grad.div_(world))
-    logged = loss.detach().clone()
-    dist.all_reduce(logged.div_(world))
-    ref_grads = dict(reference.named_parameters())
-    return {
-        "loss_error": abs(logged.item() - reference(idx, targets)[1].item()),
-        "grad_error": max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in model.named_parameters()),
-        "grad_scale": max(p.grad.abs().max().item() for p in reference.parameters()),
-        "local_tokens": tuple(mine.shape),
-    }
-
-
 def ring_attention_and_gpt(cp: int) -> dict:
     """One launch, two claims: ring attention against one-rank attention on all ranks; the GPT with cp = 2
     (next to dp = world / 2) against one process."""
     results = {"ring": compare_ring_attention(seq_len=32, batch=1, heads=2, head_dim=8)}
     if cp > 1:
-        results["gpt"] = {split: gpt_under_context_parallelism(2, split) for split in context.SPLITS}
+        results["gpt"] = {split: gpt_context_parallel_errors(2, split) for split in context.SPLITS}
         try:  # 6 tokens cannot be cut into 2 cp chunks
             context.context_parallel_batch(torch.zeros(1, 6, dtype=torch.long), None)
         except ValueError as error:

@@ -3,7 +3,8 @@
 :func:`compare_ring_attention` runs :func:`scalebook.parallel.context.ring_attention` on every rank of the
 default group against :func:`~scalebook.parallel.context.causal_attention` on the whole sequence, counting
 bytes sent, bytes saved for backward and the half-chunk pairs every rank computes; :func:`ring_attention_study`
-launches it for several context-parallel sizes.
+launches it for several context-parallel sizes; :func:`gpt_context_parallel_errors` trains the GPT one step
+with :func:`~scalebook.parallel.context.apply_context_parallel` against one process.
 
 Source: Liu, Zaharia and Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context";
 Tazi et al. 2025, "The Ultra-Scale Playbook", "Context parallelism".
@@ -11,14 +12,19 @@ Tazi et al. 2025, "The Ultra-Scale Playbook", "Context parallelism".
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 
 from scalebook import measure
 from scalebook.comm import count_traffic, launch
+from scalebook.model import GPT, GPTConfig
 from scalebook.parallel.context import (
     SPLITS,
+    apply_context_parallel,
     causal_attention,
+    context_parallel_batch,
     ring_attention,
     shard_sequence,
     unmasked_scores,
@@ -26,7 +32,7 @@ from scalebook.parallel.context import (
     validate_context_parallel,
 )
 
-__all__ = ["compare_ring_attention", "ring_attention_study"]
+__all__ = ["compare_ring_attention", "ring_attention_study", "gpt_context_parallel_errors"]
 
 
 def compare_ring_attention(
@@ -129,3 +135,39 @@ def ring_attention_study(
                            timeout=timeout, **kwargs)[0]  # fmt: skip
         results.update({(cp, split): r for split, r in per_split.items()})
     return results
+
+
+def gpt_context_parallel_errors(cp: int, split: str = "zigzag", *, seed: int = 0) -> dict:
+    """On every rank of the default group (run it with :func:`scalebook.comm.launch`): a small GPT trained one
+    step on dp x cp ranks (cp consecutive ranks share two sequences, dp = world / cp blocks of them hold
+    different ones) against the same GPT on the whole batch in this process. The gradients are averaged
+    over all dp x cp ranks and the loss is logged as the mean of the local losses, as
+    :mod:`scalebook.parallel.context` prescribes. Returns the deviations of the logged loss and of the
+    largest gradient entry, the largest gradient entry, and the shape of this rank's tokens."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp = world // cp
+    cp_groups = [dist.new_group(list(range(d * cp, (d + 1) * cp))) for d in range(dp)]  # every rank makes all
+    torch.manual_seed(seed)
+    reference = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    model = copy.deepcopy(reference)
+    gen = torch.Generator().manual_seed(seed + 1)
+    idx, targets = (torch.randint(0, 64, (2 * dp, 16), generator=gen) for _ in range(2))
+    reference(idx, targets)[1].backward()
+
+    group = cp_groups[rank // cp]
+    apply_context_parallel(model, group, split=split)
+    rows = slice(2 * (rank // cp), 2 * (rank // cp + 1))  # this dp rank's two sequences
+    mine, my_targets, positions = context_parallel_batch(idx[rows], targets[rows], group, split)
+    _, loss = model(mine, my_targets, positions=positions)
+    loss.backward()
+    for p in model.parameters():  # the data-parallel wrapper's job, over dp x cp: here the whole world
+        dist.all_reduce(p.grad.div_(world))
+    logged = loss.detach().clone()
+    dist.all_reduce(logged.div_(world))
+    ref_grads = dict(reference.named_parameters())
+    return {
+        "loss_error": abs(logged.item() - reference(idx, targets)[1].item()),
+        "grad_error": max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in model.named_parameters()),
+        "grad_scale": max(p.grad.abs().max().item() for p in reference.parameters()),
+        "local_tokens": tuple(mine.shape),
+    }

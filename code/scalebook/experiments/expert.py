@@ -1,7 +1,9 @@
 """Chapter 14's mixture-of-experts experiments: expert parallelism against one MoE, and load balance in training.
 
 :func:`compare_expert_parallel` runs :class:`scalebook.parallel.expert.ExpertParallelMoE` on every rank against
-one :class:`~scalebook.parallel.expert.MoE` holding all experts; :func:`train_load_balance` trains a small
+one :class:`~scalebook.parallel.expert.MoE` holding all experts, :func:`gpt_expert_parallel_errors` trains the
+GPT's MoE option one step with :func:`~scalebook.parallel.expert.apply_expert_parallel` against one process;
+:func:`train_load_balance` trains a small
 byte-level GPT with MoE MLPs with no balancing, the auxiliary loss or DeepSeek-V3's bias update and records
 the experts' load.
 
@@ -10,6 +12,8 @@ Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Ex
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.distributed as dist
@@ -21,13 +25,23 @@ from scalebook.parallel.expert import (
     ExpertParallelMoE,
     MoE,
     MoEConfig,
+    apply_expert_parallel,
     aux_loss,
+    expert_parameters,
+    full_gradients,
+    full_state_dict,
     reduce_expert_gradients,
 )
 
 BALANCING = ("none", "aux_loss", "bias")
 
-__all__ = ["BALANCING", "compare_expert_parallel", "expert_parallel_study", "train_load_balance"]
+__all__ = [
+    "BALANCING",
+    "compare_expert_parallel",
+    "expert_parallel_study",
+    "gpt_expert_parallel_errors",
+    "train_load_balance",
+]
 
 
 def compare_expert_parallel(*, tokens_per_rank: int = 32, config: MoEConfig | None = None, seed: int = 0) -> dict:
@@ -90,6 +104,49 @@ def expert_parallel_study(
     return {
         ep: launch(compare_expert_parallel, ep, tokens_per_rank=tokens_per_rank, config=config, timeout=timeout)
         for ep in eps
+    }
+
+
+def gpt_expert_parallel_errors(ep: int, *, seed: int = 0) -> dict:
+    """On every rank of the default group (run it with :func:`scalebook.comm.launch`): a small GPT with 4
+    experts per MLP trained one step on dp = world ranks, its experts sharded over blocks of ep of them,
+    against the same GPT on the whole batch in this process. The replicated parameters' gradients are
+    averaged over dp (the data-parallel wrapper's job), the experts' by :func:`reduce_expert_gradients`
+    over the ranks holding the same experts (none when ep == dp), as :mod:`scalebook.parallel.expert`
+    prescribes. Returns the experts this rank holds, the deviations of the logged loss, of every gathered
+    gradient and of the gathered state from the single process's, and the largest gradient entry."""
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    ep_groups = [dist.new_group(list(range(b, b + ep))) for b in range(0, dp, ep)]  # every rank makes all
+    replica_groups = [dist.new_group(list(range(e, dp, ep))) for e in range(ep)]
+    torch.manual_seed(seed)
+    reference = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, n_experts=4))
+    model = copy.deepcopy(reference)
+    gen = torch.Generator().manual_seed(seed + 1)
+    idx, targets = (torch.randint(0, 64, (2 * dp, 16), generator=gen) for _ in range(2))
+    reference(idx, targets)[1].backward()
+
+    apply_expert_parallel(model, ep_groups[rank // ep])
+    rows = slice(2 * rank, 2 * rank + 2)  # this data-parallel rank's two sequences
+    _, loss = model(idx[rows], targets[rows])
+    loss.backward()
+    sharded = set(expert_parameters(model))
+    for p in model.parameters():
+        if p not in sharded:
+            dist.all_reduce(p.grad.div_(dp))
+    reduce_expert_gradients(model, replica_groups[rank % ep] if dp > ep else None)
+    logged = loss.detach().clone()
+    dist.all_reduce(logged.div_(dp))
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    grads, state = full_gradients(model), full_state_dict(model)
+    return {
+        "experts_here": len(model.blocks[0].mlp.experts),
+        "sharded": len(sharded),
+        "loss_error": abs(logged.item() - reference(idx, targets)[1].item()),
+        "grad_names_match": sorted(grads) == sorted(ref_grads),
+        "grad_error": max((grads[n] - g).abs().max().item() for n, g in ref_grads.items()),
+        "grad_scale": max(g.abs().max().item() for g in ref_grads.values()),
+        "state_equal": state.keys() == reference.state_dict().keys()
+        and all(torch.equal(state[k], v) for k, v in reference.state_dict().items()),
     }
 
 
