@@ -1,126 +1,492 @@
 """ZeRO: data parallelism that shards the model states over the ranks instead of copying them.
 
-Plain data parallelism (stage 0, the DDP of Chapter 10) keeps a full copy of the parameters, the
-gradients and Adam's state on each of N ranks: (2 + 2 + K) Psi bytes per rank in mixed precision, K = 12.
-Each ZeRO stage here is the previous one plus one change:
+DDP (Chapter 10) keeps the parameters, gradients and optimizer state whole on each of N ranks. ZeRO removes
+that redundancy one kind of state at a time; here each stage has PyTorch's shape, so that a training loop
+with any ``torch.optim`` optimizer runs unchanged:
 
-    stage 1  each rank keeps the optimizer state (Adam's moments and, in mixed precision, the fp32 master
-             weights) of 1/N of the parameters only. The gradients are reduce-scattered, so each rank
-             receives the averaged gradient of its own shard; it updates that shard, and the updated
-             shards are all-gathered back into every rank's full parameters.
-    stage 2  the gradients are sharded too: a unit's full gradient lives only while the backward pass
-             fills it; it is reduce-scattered into the owner's shard as soon as it is complete, then freed.
-    stage 3  the parameters are sharded too: a unit's parameters are all-gathered just before its forward
-             and again just before its backward, and freed after each.
+    stage 1  ZeroRedundancyOptimizer(params, AdamW, ...) wraps an optimizer: each rank steps the optimizer
+             state of 1/N of the elements, then an all-gather brings every rank the updated parameters.
+    stage 2  fully_shard(model, stage=2): after backward each parameter holds this rank's shard and ``.grad``
+             the averaged gradient of that shard; the full parameters stay gathered between steps.
+    stage 3  fully_shard(model, stage=3), FSDP2's fully_shard: the full parameters exist only around each
+             unit's forward and backward.
 
-A *unit* is a group of parameters communicated together: one per Transformer block, plus a root unit
-for everything outside the blocks (embeddings, final norm, the tied head). Each unit is laid out as one
-flat vector, padded with zeros to a multiple of N so that it splits into N equal contiguous shards
-(:class:`FlatUnit`), as FSDP1's ``FlatParameter`` and DeepSpeed do. The model's parameters become views
-into the unit's flat buffer, so the model runs unchanged; stage 3 frees that buffer's storage between
-uses and refills it in place, which autograd's saved views see.
-
-Adam runs on flat shards (:func:`adam_update`): it is elementwise, so updating a shard is exactly
-updating those elements of the whole model. ``mixed_precision=True`` computes in bf16 (parameters and
-gradients, and the gradients are reduced in bf16) and keeps fp32 master weights and moments, the
-ZeRO paper's K = 12 layout. ``quantized_gather=True`` (stage 3) sends the parameters as int8 with one
-absmax scale per block of 256 values, ZeRO++'s quantized weight communication.
+Stage 1 lays each parameter group end to end in one flat buffer padded to a multiple of N, and rank r steps
+elements [r s, (r + 1) s) as in the ZeRO paper: even shards, for elementwise optimizers (SGD, Adam, AdamW);
+torch's version assigns whole tensors. Stages 2 and 3 shard each parameter along dim 0 as FSDP2 does (padded
+to a multiple of N, rank r keeps rows [r k, (r + 1) k)), in the same ``nn.Parameter``. A *unit* (a block, or
+the root holding the rest) all-gathers its shards in one collective and reduce-scatters its gradients in one.
 
 Source: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
-Sec. 5 and 7; Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel";
-Wang et al. 2023, "ZeRO++: Extremely Efficient Collective Communication for Giant Model Training";
-PyTorch documentation, ``torch.distributed.fsdp.fully_shard`` and ``ZeroRedundancyOptimizer``.
+Sec. 5 and 7; Zhao et al. 2023, "PyTorch FSDP"; Wang et al. 2023, "ZeRO++" (int8 all-gather); PyTorch
+documentation, ``torch.distributed.fsdp.fully_shard`` and ``torch.distributed.optim.ZeroRedundancyOptimizer``.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
-from scalebook import data
-from scalebook.comm import count_traffic
-from scalebook.measure import StateBytes  # bytes by kind; the fp32 master weights count as optimizer state
-from scalebook.model import GPT, GPTConfig
-from scalebook.parity import max_relative_difference
+from scalebook.measure import StateBytes  # bytes by kind; in mixed precision the fp32 shards are the master copy
 
-STAGES = (0, 1, 2, 3)
 QUANT_BLOCK = 256  # values sharing one int8 scale in the quantized all-gather
 
 
-class FlatUnit:
-    """Parameters communicated together, seen as one flat vector split into ``world_size`` equal shards.
+def _group_rank_and_size(process_group) -> tuple[int, int]:
+    if not dist.is_initialized():
+        raise ValueError("no process group: run under scalebook.comm.launch or torchrun (dist.init_process_group)")
+    if (rank := dist.get_rank(process_group)) < 0:
+        raise ValueError("this rank is not a member of process_group; pass a group that contains it")
+    return rank, dist.get_world_size(process_group)
 
-    The vector is padded with zeros to ``padded_numel = world_size * shard_numel`` elements, with
-    ``shard_numel = ceil(numel / world_size)``; rank r owns elements ``[r * shard_numel, (r + 1) * shard_numel)``.
-    """
 
-    def __init__(self, module: nn.Module, named_params: list[tuple[str, nn.Parameter]], world_size: int, rank: int):
-        self.module = module  # its forward marks when the unit's parameters are needed
-        self.names = [name for name, _ in named_params]
-        self.params = [p for _, p in named_params]
-        self.numel = sum(p.numel() for p in self.params)
-        self.shard_numel = -(-self.numel // world_size)
-        self.padded_numel = self.shard_numel * world_size
+# ----- stage 1: an optimizer wrapper ---------------------------------------------------------------------
+class _FlatGroup:
+    """A parameter group's trainable parameters end to end in a zero-padded flat buffer of N s elements: the
+    parameters become views of ``flat``, and ``shard`` (a Parameter viewing ``flat[r s : (r + 1) s]``) is what
+    this rank's optimizer steps in place, so that the all-gather after the step writes straight into the model."""
+
+    def __init__(self, params: list[nn.Parameter], rank: int, world_size: int):
+        self.params, self.offsets = params, _offsets([p.numel() for p in params])
+        self.shard_numel = -(-sum(p.numel() for p in params) // world_size)
+        self.flat = params[0].new_zeros(self.shard_numel * world_size)
+        for p, offset in zip(params, self.offsets, strict=True):
+            p.data = self.flat[offset : offset + p.numel()].view_as(p).copy_(p.detach())
         self.owned = slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
+        self.shard = nn.Parameter(self.flat[self.owned])
 
-    def flatten(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """One tensor per parameter, concatenated into a new zero-padded flat vector."""
-        flat = torch.zeros(self.padded_numel, dtype=dtype)
-        for view, tensor in zip(self.views(flat), tensors, strict=True):
-            view.copy_(tensor)
+    def flat_gradient(self) -> torch.Tensor:
+        flat = torch.zeros_like(self.flat)
+        for p, offset in zip(self.params, self.offsets, strict=True):
+            if p.grad is not None:  # no gradient: zeros, as DDP's all-reduce would have given it
+                flat[offset : offset + p.numel()] = p.grad.reshape(-1)
         return flat
 
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """``flat`` cut into tensors shaped like the parameters: views that share its memory."""
-        views, offset = [], 0
-        for p in self.params:
-            views.append(flat[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return views
+
+def _unique_param_groups(params) -> list[dict]:
+    """Parameter groups as torch.optim takes them; a parameter listed twice in a group (tied) counts once."""
+    items = list(params)
+    groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+    members = [[g["params"]] if torch.is_tensor(g["params"]) else g["params"] for g in groups]
+    return [{**g, "params": list(dict.fromkeys(m))} for g, m in zip(groups, members, strict=True)]  # hash: identity
 
 
-def adam_update(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    step: int,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """One AdamW step, in place, with the arithmetic of ``torch.optim.AdamW(foreach=False)``, element by element.
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1: ``optimizer_class`` steps only this rank's 1/N of the elements, then all-gathers them.
 
-    theta <- theta (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
-    theta <- theta - lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
+    Like torch's: wrap the model in DDP (or the book's ``scalebook.parallel.ddp.OverlappedDDP``) so that ``.grad``
+    holds the averaged gradients when ``step()`` runs. Frozen parameters are skipped; a scheduler sets
+    ``param_groups[i]["lr"]``; ``state_dict()`` is this rank's shard (save one file per rank).
+    ``reduce_scatter_gradients=True`` is the ZeRO paper's stage 1 instead: no DDP, and ``step()``
+    reduce-scatters the local gradients, so that each rank receives only the mean of the slice it steps: the
+    all-reduce's bytes in all, where DDP's all-reduce and the all-gather send 1.5 times as many.
     """
-    beta1, beta2 = betas
-    if weight_decay:
-        param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+    def __init__(self, params, optimizer_class: type[torch.optim.Optimizer], process_group=None, *,
+                 reduce_scatter_gradients: bool = False, **defaults):  # fmt: skip
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise ValueError(f"optimizer_class must be a torch.optim.Optimizer class, got {optimizer_class!r}")
+        groups = _unique_param_groups(params)
+        trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
+        if not any(trainable):
+            raise ValueError("no parameter requires a gradient: nothing to optimize")
+        if any(len({(p.dtype, p.device) for p in ps}) > 1 for ps in trainable):
+            raise ValueError("each parameter group must hold one dtype on one device; split the group")
+        self.rank, self.world_size = _group_rank_and_size(process_group)
+        super().__init__(groups, defaults)
+        self.process_group, self.reduce_scatter_gradients = process_group, reduce_scatter_gradients
+        self.flat_groups = [_FlatGroup(ps, self.rank, self.world_size) if ps else None for ps in trainable]
+        shards = [{**_hyperparameters(group), "params": [flat.shard]} for group, flat in self._pairs()]
+        self.optim = optimizer_class(shards, **defaults)
+        for (group, _), inner in zip(self._pairs(), self.optim.param_groups, strict=True):
+            group.update(_hyperparameters(inner))  # the inner optimizer's defaults, visible to schedulers
+
+    def _pairs(self) -> list[tuple[dict, _FlatGroup]]:
+        return [(g, f) for g, f in zip(self.param_groups, self.flat_groups, strict=True) if f is not None]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """Step this rank's shard with the current ``param_groups`` hyper-parameters, then all-gather."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for (group, flat), inner in zip(self._pairs(), self.optim.param_groups, strict=True):
+            inner.update(_hyperparameters(group))
+            if self.reduce_scatter_gradients:  # the mean over the ranks of this rank's slice only
+                flat.shard.grad = torch.empty_like(flat.shard)
+                dist.reduce_scatter_single(flat.shard.grad, flat.flat_gradient(), group=self.process_group)
+                flat.shard.grad.div_(self.world_size)
+            elif any(p.grad is not None for p in flat.params):
+                flat.shard.grad = flat.flat_gradient()[flat.owned]
+        self.optim.step()
+        for _, flat in self._pairs():
+            flat.shard.grad = None
+            dist.all_gather_single(flat.flat, flat.shard.detach(), group=self.process_group)
+        return loss
+
+    def _partition(self) -> dict:
+        return {"rank": self.rank, "world_size": self.world_size, "shards": [f.shard_numel for _, f in self._pairs()]}
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state (its shard) and the partition it belongs to."""
+        return {"shard": self.optim.state_dict(), **self._partition()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if (saved := {key: state_dict.get(key) for key in self._partition()}) != self._partition():
+            raise ValueError(f"this state is for the partition {saved}, not {self._partition()}: load this rank's file")
+        self.optim.load_state_dict(state_dict["shard"])
+        for (group, _), inner in zip(self._pairs(), self.optim.param_groups, strict=True):
+            group.update(_hyperparameters(inner))
+
+
+def _hyperparameters(group: dict) -> dict:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+# ----- stages 2 and 3: a module wrapper ------------------------------------------------------------------
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's: shards (and the optimizer) keep the module's dtype; gathered parameters and forward inputs are cast
+    to ``param_dtype``; gradients are reduced in ``reduce_dtype`` (default ``param_dtype``), then cast back."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+class _Unit:
+    """Parameters gathered and reduced together, each sharded along dim 0: parameter i has k_i = ceil(rows_i / N)
+    rows, n_i elements, per rank. A rank sends its shards end to end (S = sum n_i) in the all-gather; ``full``
+    holds each parameter padded to N k_i rows, one after the other, so that the parameters are views of it."""
+
+    def __init__(self, module, params: list[nn.Parameter], rank: int, world_size: int, compute_dtype, keep_full):
+        self.module, self.params, self.world_size = module, params, world_size
+        self.trainable = [p for p in params if p.requires_grad]
+        self.shapes, self.rows = [p.shape for p in params], [-(-p.shape[0] // world_size) for p in params]
+        self.numels = [k * math.prod(s[1:]) for k, s in zip(self.rows, self.shapes, strict=True)]
+        self.offsets, self.shard_numel, self.shard_dtype = _offsets(self.numels), sum(self.numels), params[0].dtype
+        self.full = params[0].new_zeros(world_size * self.shard_numel, dtype=compute_dtype)
+        padded = [self.full[world_size * o : world_size * (o + n)] for o, n in zip(self.offsets, self.numels,
+                                                                                    strict=True)]  # fmt: skip
+        self.padded = [v.view(world_size, -1) for v in padded]
+        self.full_views = [v[: p.numel()].view(p.shape) for v, p in zip(padded, params, strict=True)]
+        if keep_full and compute_dtype == self.shard_dtype:  # stage 2: the shard is rows of the kept full copy
+            self.flat_shard = None
+            for view, p in zip(self.full_views, params, strict=True):
+                view.copy_(p.detach())
+            self.shards = [v.view(world_size, k, *s[1:])[rank] for v, k, s in zip(padded, self.rows, self.shapes,
+                                                                                    strict=True)]  # fmt: skip
+        else:
+            mine = [_pad_rows(p.detach(), world_size * k)[rank * k : (rank + 1) * k]
+                    for p, k in zip(params, self.rows, strict=True)]  # fmt: skip
+            self.flat_shard = torch.cat([m.reshape(-1) for m in mine])
+            self.shards = [self.flat_shard[o : o + m.numel()].view_as(m) for o, m in zip(self.offsets, mine,
+                                                                                        strict=True)]  # fmt: skip
+        self.keep_full, self.is_full, self.in_backward, self.ready = keep_full, True, False, 0
+        self.stashed_grads: list[torch.Tensor | None] = [None] * len(params)
+        self.use_shards()
+        self.gathered_versions: list[int] | None = None  # the shards' versions at the last gather; None: never
+
+    def send_buffer(self) -> torch.Tensor:
+        """This rank's shards end to end (the all-gather's input)."""
+        return self.flat_shard if self.flat_shard is not None else torch.cat([s.reshape(-1) for s in self.shards])
+
+    def is_stale(self) -> bool:
+        """Has anything written to the shards (an optimizer step, a load) since the last gather?"""
+        return self.gathered_versions != [p._version for p in self.params]
+
+    def fill_full(self, rank_major: torch.Tensor) -> None:
+        """Copy the gathered shards, (N, S) in rank order, into ``full`` (parameter after parameter)."""
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        for padded, offset, n in zip(self.padded, self.offsets, self.numels, strict=True):
+            padded.copy_(rank_major[:, offset : offset + n])
+        self.gathered_versions = [p._version for p in self.params]
+
+    def use_full(self) -> None:
+        """Point every parameter at its full view; its shard's gradient waits aside until the reduction."""
+        if not self.is_full:
+            self.stashed_grads = [p.grad for p in self.params]
+            for p, view in zip(self.params, self.full_views, strict=True):
+                p.grad, p.data = None, view
+            self.is_full = True
+
+    def use_shards(self, new_grads: list[torch.Tensor] | None = None) -> None:
+        """Point every parameter back at its shard and its gradient, adding ``new_grads`` to the trainable ones'."""
+        if self.is_full:
+            for p, shard, grad in zip(self.params, self.shards, self.stashed_grads, strict=True):
+                p.grad, p.data = None, shard
+                p.grad = grad
+            self.is_full, self.stashed_grads = False, []
+            if not self.keep_full:  # the storage is freed: views of it that autograd saved see the next refill
+                self.full.untyped_storage().resize_(0)
+        for p, grad in zip(self.trainable, new_grads or [], strict=new_grads is not None):
+            p.grad = grad if p.grad is None else p.grad.add_(grad)
+
+    def reduce_gradients(self, group, reduce_dtype: torch.dtype | None) -> list[torch.Tensor]:
+        """One reduce-scatter of the full gradients (zeros for a parameter that got none) into this rank's shard
+        of their mean over the ranks, in the shards' dtype."""
+        n, layout = self.world_size, [(p, k) for p, k in zip(self.params, self.rows, strict=True) if p.requires_grad]
+        sizes = [k * math.prod(p.shape[1:]) for p, k in layout]
+        send = torch.zeros(n, sum(sizes), dtype=reduce_dtype or self.full.dtype, device=self.full.device)
+        for (p, k), offset, size in zip(layout, _offsets(sizes), sizes, strict=True):
+            if p.grad is not None:
+                send[:, offset : offset + size] = _pad_rows(p.grad, n * k).reshape(n, size)
+        out = send.new_empty(sum(sizes))
+        dist.reduce_scatter_single(out, send.view(-1), group=group)
+        out = out.div_(n).to(self.shard_dtype)
+        return [out[o : o + m].view(k, *p.shape[1:]) for (p, k), o, m in zip(layout, _offsets(sizes), sizes,
+                                                                             strict=True)]  # fmt: skip
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with dim 0 zero-padded to ``rows``."""
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if t.shape[0] < rows else t
+
+
+class _ShardedModule:
+    """What :func:`fully_shard` attaches to the module: its units, and the hooks that gather and reduce them."""
+
+    def __init__(self, units: list[_Unit], stage: int, group, mp_policy: MixedPrecisionPolicy, quantized: bool):
+        self.units, self.stage, self.group, self.world_size = units, stage, group, dist.get_world_size(group)
+        self.mp_policy, self.quantized_gather, self.backward_callback_queued = mp_policy, quantized, False
+        for unit in units:
+            unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit), with_kwargs=True)
+            unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
+            for p in unit.trainable:
+                p.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, unit))
+
+    # ----- forward: gather (stage 3 always, stage 2 once the optimizer changed the shards) -----------------
+    def _unshard(self, unit: _Unit) -> None:
+        if not unit.is_full and (self.stage == 3 or unit.is_stale()):
+            self._gather(unit)
+        unit.use_full()
+
+    @torch.no_grad()
+    def _gather(self, unit: _Unit) -> None:
+        send = unit.send_buffer().to(unit.full.dtype)  # mixed precision: cast before sending, like FSDP2
+        if self.quantized_gather:
+            q, scales = quantize_int8_blockwise(send)
+            gathered = dequantize_int8_blockwise(_all_gather(q, self.group).view(-1),
+                                                 _all_gather(scales, self.group).view(-1))  # fmt: skip
+        else:
+            gathered = _all_gather(send, self.group)
+        unit.fill_full(gathered.view(self.world_size, -1)[:, : unit.shard_numel])
+
+    def _pre_forward(self, unit: _Unit, module, args, kwargs):
+        self._unshard(unit)
+        if (dtype := self.mp_policy.param_dtype) is not None:  # like FSDP2's cast_forward_inputs
+            return tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t,
+                            (args, kwargs))  # fmt: skip
+
+    def _post_forward(self, unit: _Unit, module, args, output) -> None:
+        if self.stage == 3 or not torch.is_grad_enabled():
+            unit.use_shards()
+        if torch.is_grad_enabled():
+            # The gradient of a unit's output arrives just before the unit's own backward starts.
+            for tensor in tree_leaves(output):
+                if torch.is_tensor(tensor) and tensor.requires_grad:
+                    tensor.register_hook(functools.partial(self._pre_backward, unit))
+
+    # ----- backward: gather again (stage 3), reduce-scatter each unit once its gradients are complete ------
+    def _pre_backward(self, unit: _Unit, grad: torch.Tensor) -> None:
+        if not self.backward_callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self.backward_callback_queued = True
+        if not unit.in_backward:
+            self._unshard(unit)
+            unit.in_backward, unit.ready = True, 0
+
+    def _gradient_ready(self, unit: _Unit, param: nn.Parameter) -> None:
+        unit.ready += 1
+        if unit.in_backward and unit.ready == len(unit.trainable):
+            self._post_backward(unit)
+
+    def _post_backward(self, unit: _Unit) -> None:
+        unit.in_backward = False  # reduce-scatter into the shards' .grad, then free (stage 3)
+        unit.use_shards(unit.reduce_gradients(self.group, self.mp_policy.reduce_dtype) if unit.trainable else None)
+
+    def _finish_backward(self) -> None:
+        """After backward, in unit order: a unit still waiting for a gradient (of a parameter unused in forward)
+        reduces with zeros for it; a unit that backward never reached (stage 2) returns to its shards."""
+        self.backward_callback_queued = False
+        for unit in self.units:
+            if unit.in_backward:
+                self._post_backward(unit)
+            else:
+                unit.use_shards()
+
+
+def _all_gather(shard: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``shard``, one row per rank in rank order: (N, numel)."""
+    out = torch.empty(dist.get_world_size(group) * shard.numel(), dtype=shard.dtype, device=shard.device)
+    dist.all_gather_single(out, shard, group=group)
+    return out.view(dist.get_world_size(group), -1)
+
+
+def fully_shard(module: nn.Module, *, stage: int = 3, process_group=None, policy=None,
+                mp_policy: MixedPrecisionPolicy | None = None, quantized_gather=False) -> nn.Module:  # fmt: skip
+    """Shard ``module``'s parameters, gradients and (through them) optimizer state over ``process_group``, in place.
+
+    Units: the modules ``policy`` selects (a predicate, or a list of submodules), by default ``module.blocks``'s
+    entries if any, else each child; the root unit holds the rest, tied weights included. Stage 3 gathers a
+    unit before its forward and its backward and frees it after each; stage 2 keeps it gathered and gathers
+    again in the first forward after the shards' version counters moved (an optimizer step, a load). After
+    backward, ``.grad`` holds the mean over the ranks of the shard's gradient, added to what it held (gradient
+    accumulation); a parameter without a gradient gets zeros, a frozen one is gathered but never reduced.
+    Parameters and buffers are first broadcast from the group's first rank, as DDP does. ``quantized_gather``
+    (stage 3) sends int8 with one scale per 256 values, ZeRO++'s qwZ. ``state_dict()`` holds the shards.
+    """
+    rank, world_size = _group_rank_and_size(process_group)
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    assignment = _check_fully_shard(module, stage, policy, mp_policy, quantized_gather)
+    with torch.no_grad():
+        first = dist.get_global_rank(process_group or dist.group.WORLD, 0)
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.detach(), first, group=process_group)
+    units = [_Unit(unit_module, params, rank, world_size, mp_policy.param_dtype or params[0].dtype, stage == 2)
+             for unit_module, params in assignment]  # fmt: skip
+    module._zero_sharding = _ShardedModule(units, stage, process_group, mp_policy, quantized_gather)
+    if stage == 2:  # a shard that views the full copy would make torch.save write the full copy
+        module.register_state_dict_post_hook(_clone_views)
+    return module
+
+
+def _clone_views(module, state_dict, prefix, local_metadata) -> None:
+    for key, value in state_dict.items():
+        if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.nbytes:
+            state_dict[key] = value.clone()
+
+
+def _check_fully_shard(module, stage, policy, mp_policy, quantized_gather) -> list[tuple[nn.Module, list]]:
+    """Every problem with the request at once, before any work; else the units and their parameters."""
+    problems = []
+    if stage not in (2, 3):
+        problems.append(f"stage must be 2 or 3 (stage 1 is ZeroRedundancyOptimizer), got {stage!r}")
+    if quantized_gather and stage != 3:
+        problems.append("quantized_gather compresses the parameter all-gathers of stage 3; use stage=3")
+    if hasattr(module, "_zero_sharding"):
+        problems.append("the module is already sharded; call fully_shard once, on the root")
+    dtypes = (mp_policy.param_dtype, mp_policy.reduce_dtype) if isinstance(mp_policy, MixedPrecisionPolicy) else (1,)
+    if not all(d is None or isinstance(d, torch.dtype) and d.is_floating_point for d in dtypes):
+        problems.append(f"mp_policy must be a MixedPrecisionPolicy of floating dtypes, got {mp_policy!r}")
+    if not list(module.parameters()):
+        problems.append("the module has no parameters")
+    if any(p.dim() == 0 for p in module.parameters()):
+        problems.append("a 0-d parameter cannot be sharded along dim 0; give it shape (1,)")
+    if problems:
+        raise ValueError("; ".join(problems))
+    assignment = _assign_units(module, _unit_modules(module, policy))
+    if any(len({(p.dtype, p.device) for p in ps}) > 1 for _, ps in assignment):
+        raise ValueError("a unit holds parameters of different dtypes or devices; convert the module first")
+    return assignment
+
+
+def _unit_modules(module: nn.Module, policy) -> list[nn.Module]:
+    if policy is None:
+        blocks = getattr(module, "blocks", None)
+        return list(blocks) if isinstance(blocks, nn.ModuleList) else list(module.children())
+    if callable(policy) and not isinstance(policy, nn.Module):
+        return [m for m in module.modules() if m is not module and policy(m)]
+    chosen = list(dict.fromkeys(policy))
+    inside = {id(m) for m in module.modules() if m is not module}
+    if any(not isinstance(m, nn.Module) or id(m) not in inside for m in chosen):
+        raise ValueError("policy lists a module that is not a submodule of the module being sharded")
+    return chosen
+
+
+def _assign_units(root: nn.Module, unit_modules: list[nn.Module]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Each parameter goes to the deepest unit whose module holds every place it is registered (a tied
+    parameter to the units' common ancestor, which is the root unless one unit holds both places)."""
+    path_of, places = {}, {}
+    for name, m in root.named_modules(remove_duplicate=False):
+        path_of.setdefault(id(m), name)
+        for p in m._parameters.values():
+            if p is not None:
+                places.setdefault(id(p), []).append(name)
+    deepest_first = sorted(unit_modules, key=lambda m: -path_of[id(m)].count("."))
+    owned = {id(m): [] for m in [root, *unit_modules]}
+
+    def holds(m, p):
+        return all(place == path_of[id(m)] or place.startswith(path_of[id(m)] + ".") for place in places[id(p)])
+
+    for p in root.parameters():
+        owned[id(next((m for m in deepest_first if holds(m, p)), root))].append(p)
+    return [(m, owned[id(m)]) for m in [root, *unit_modules] if owned[id(m)]]
+
+
+@torch.no_grad()
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, gathered from the shards in their own dtype, with the keys of the unsharded
+    module (a collective: call it on every rank of the group)."""
+    if (state := getattr(module, "_zero_sharding", None)) is None:
+        raise ValueError("the module is not sharded: call fully_shard(module) first")
+    full = {}
+    for unit in state.units:
+        gathered = _all_gather(unit.send_buffer(), state.group)
+        for p, shape, offset, n, k in zip(unit.params, unit.shapes, unit.offsets, unit.numels, unit.rows,
+                                          strict=True):  # fmt: skip
+            full[id(p)] = gathered[:, offset : offset + n].reshape(state.world_size * k, *shape[1:])[: shape[0]].clone()
+    out = module.state_dict()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out[name] = full[id(p)]
+    return out
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor], max_norm: float,
+                    process_group=None) -> torch.Tensor:  # fmt: skip
+    """``torch.nn.utils.clip_grad_norm_`` (2-norm, same formula) when each rank holds a different shard of the
+    gradients: norm = sqrt(sum over ranks of the squared shard norms), one all-reduce of one number (the padding
+    is zeros). Returns the norm. Replicated gradients (DDP, ZeRO-1) need torch's own function instead."""
+    if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+    if isinstance(parameters, nn.Module):
+        sharding = getattr(parameters, "_zero_sharding", None)
+        process_group, parameters = process_group or (sharding and sharding.group), parameters.parameters()
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = list({id(p): p.grad for p in params if p.grad is not None}.values())
+    squares = sum((torch.linalg.vector_norm(g, 2.0) ** 2 for g in grads), torch.zeros((), device=params[0].device))
+    dist.all_reduce(squares, group=process_group)
+    total = squares.sqrt()
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale)
+    return total
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view counts once; a freed buffer counts 0)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+def held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> StateBytes:
+    """Bytes of the tensors this rank holds now, by kind, each storage once: parameters (shards, gathered
+    copies), gradients and the optimizer's per-element state (for a ZeRO-1 wrapper, its shard's)."""
+    units = module._zero_sharding.units if hasattr(module, "_zero_sharding") else []
+    params = [p.data for p in module.parameters()] + [t for u in units for t in (u.full, u.flat_shard)]
+    grads = [p.grad for p in module.parameters()] + [g for u in units for g in u.stashed_grads]
+    inner = getattr(optimizer, "optim", optimizer)
+    state = [t for s in (inner.state.values() if inner else []) for t in s.values() if torch.is_tensor(t) and t.dim()]
+    return StateBytes(_storage_bytes(params), _storage_bytes(grads), _storage_bytes(state))
 
 
 def quantize_int8_blockwise(x: torch.Tensor, block: int = QUANT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 quantization of a 1-D tensor, one scale per ``block`` values: q = round(x / s), s = absmax / 127.
-
-    Returns ``(q, scales)``: ``q`` (int8) is zero-padded to whole blocks, ``scales`` are fp32.
-    """
+    """ZeRO++'s weight quantization: int8, one scale per ``block`` values, q = round(x / s), s = absmax / 127.
+    Returns ``(q, scales)``: ``q`` (int8) is zero-padded to whole blocks, ``scales`` are fp32."""
     n_blocks = -(-x.numel() // block)
-    blocks = torch.zeros(n_blocks * block, dtype=torch.float32)
-    blocks[: x.numel()] = x
-    blocks = blocks.view(n_blocks, block)
+    blocks = torch.nn.functional.pad(x.float(), (0, n_blocks * block - x.numel())).view(n_blocks, block)
     scales = blocks.abs().amax(dim=1) / 127
     # An all-zero block has scale 0; dividing by the smallest normal float keeps its codes at 0.
     q = torch.round(blocks / scales.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).to(torch.int8)
@@ -130,581 +496,3 @@ def quantize_int8_blockwise(x: torch.Tensor, block: int = QUANT_BLOCK) -> tuple[
 def dequantize_int8_blockwise(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The fp32 values ``q * s`` that :func:`quantize_int8_blockwise` encoded (padding included)."""
     return (q.view(scales.numel(), -1).to(torch.float32) * scales[:, None]).view(-1)
-
-
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a view counts once; a freed buffer counts 0)."""
-    storages = {}
-    for t in tensors:
-        if t is not None and t.untyped_storage().nbytes():
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
-def _output_tensors(output) -> list[torch.Tensor]:
-    items = output if isinstance(output, (tuple, list)) else (output,)
-    return [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
-
-
-class ZeRO0:
-    """Stage 0, plain data parallelism (as in Chapter 10) on flat buffers: the baseline the stages change.
-
-    Every rank holds all parameters, all gradients and Adam's state for every element. After the
-    backward pass each unit's gradient is all-reduced and averaged; every rank applies the same update.
-    ``step(x, y)`` trains on this rank's batch; ``peak_bytes`` is the most each kind of state took
-    during the last step and ``held_bytes()`` what it takes now.
-    """
-
-    stage = 0
-
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        mixed_precision: bool = False,
-        wrap: Sequence[nn.Module] | None = None,
-        group: dist.ProcessGroup | None = None,
-    ):
-        wrap = list(getattr(model, "blocks", [])) if wrap is None else list(wrap)
-        _check_arguments(model, wrap, lr, betas, eps, weight_decay)
-        self.model, self.group = model, group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.hyper = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        self.mixed_precision = mixed_precision
-        self.master_dtype = next(model.parameters()).dtype
-        self.compute_dtype = torch.bfloat16 if mixed_precision else self.master_dtype
-        self.units = self._make_units(wrap)
-        self.steps = 0
-        self.peak_bytes = StateBytes(0, 0, 0)
-        for unit in self.units:
-            initial = unit.flatten([p.detach() for p in unit.params], self.master_dtype)
-            self._init_params(unit, initial)
-            self._init_grads(unit)
-            self._init_optimizer(unit, initial)
-        self._install_hooks()
-
-    def _make_units(self, wrap: list[nn.Module]) -> list[FlatUnit]:
-        names = {id(p): name for name, p in self.model.named_parameters()}
-        in_blocks = {id(p) for module in wrap for p in module.parameters()}
-        root = [(names[id(p)], p) for p in self.model.parameters() if id(p) not in in_blocks]
-        groups = [(self.model, root)] if root else []
-        groups += [(module, [(names[id(p)], p) for p in module.parameters()]) for module in wrap]
-        return [FlatUnit(module, params, self.world_size, self.rank) for module, params in groups]
-
-    # ----- what each rank holds: stage 0 owns every element --------------------------------------
-    def _owned(self, unit: FlatUnit) -> slice:
-        return slice(0, unit.padded_numel)
-
-    def _init_params(self, unit: FlatUnit, initial: torch.Tensor) -> None:
-        unit.full = initial.to(self.compute_dtype)
-        self._bind_params(unit)
-        unit.param_shard = unit.full[self._owned(unit)]
-
-    def _bind_params(self, unit: FlatUnit) -> None:
-        # Assigning ``.data`` makes each Parameter a view of the flat buffer yet keeps the same object (the
-        # model, autograd and the hooks still see it) with its own version counter, so refilling the buffer
-        # in place (the all-gathers) does not trip autograd's check on the tensors it saved.
-        for p, view in zip(unit.params, unit.views(unit.full), strict=True):
-            p.data = view
-
-    def _init_grads(self, unit: FlatUnit) -> None:
-        # Gradients accumulate straight into one flat buffer per unit: p.grad is a view of it.
-        unit.grad_full = torch.zeros(unit.padded_numel, dtype=self.compute_dtype)
-        self._bind_grads(unit)
-        unit.grad_shard = unit.grad_full[self._owned(unit)]
-
-    def _bind_grads(self, unit: FlatUnit) -> None:
-        for p, view in zip(unit.params, unit.views(unit.grad_full), strict=True):
-            p.grad = view
-
-    def _init_optimizer(self, unit: FlatUnit, initial: torch.Tensor) -> None:
-        # Mixed precision updates an fp32 master copy; otherwise the update goes into the parameters.
-        unit.master = initial[self._owned(unit)].clone() if self.mixed_precision else unit.param_shard
-        unit.exp_avg = torch.zeros_like(unit.master)
-        unit.exp_avg_sq = torch.zeros_like(unit.master)
-
-    def _install_hooks(self) -> None:
-        """Stage 0 needs none: the gradients are exchanged after the backward pass."""
-
-    # ----- one training step ---------------------------------------------------------------------
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Forward and backward on this rank's batch, gradient exchange, one Adam step; returns the local loss."""
-        self.peak_bytes = StateBytes(0, 0, 0)
-        self._zero_grads()
-        self._measure()
-        _, loss = self.model(x, y)
-        loss.backward()
-        self._reduce_gradients()
-        self._measure()
-        self.steps += 1
-        for unit in self.units:
-            adam_update(unit.master, unit.grad_shard.to(unit.master.dtype), unit.exp_avg, unit.exp_avg_sq,
-                        step=self.steps, **self.hyper)  # fmt: skip
-            if self.mixed_precision:
-                unit.param_shard.copy_(unit.master)  # round the fp32 master to the bf16 working copy
-            self._after_update(unit)
-        self._measure()
-        return loss.item()
-
-    def _zero_grads(self) -> None:
-        for unit in self.units:
-            unit.grad_full.zero_()
-
-    def _reduce_gradients(self) -> None:
-        # The mean of the ranks' gradients is the gradient of the mean loss over the global batch.
-        for unit in self.units:
-            dist.all_reduce(unit.grad_full, group=self.group)
-            unit.grad_full.div_(self.world_size)
-
-    def _after_update(self, unit: FlatUnit) -> None:
-        """Every rank made the same update: nothing to exchange."""
-
-    # ----- inspection --------------------------------------------------------------------------
-    def held_bytes(self) -> StateBytes:
-        """Bytes of the tensors this rank holds now, by kind; each storage counted once, freed ones as 0."""
-        params, grads, optimizer = [], [], []
-        for unit in self.units:
-            params += [unit.full, unit.param_shard]
-            grads += [unit.grad_full, unit.grad_shard]
-            optimizer += [unit.exp_avg, unit.exp_avg_sq] + ([unit.master] if self.mixed_precision else [])
-        return StateBytes(_storage_bytes(params), _storage_bytes(grads), _storage_bytes(optimizer))
-
-    def _measure(self) -> None:
-        now, peak = self.held_bytes(), self.peak_bytes
-        self.peak_bytes = StateBytes(
-            max(now.params, peak.params), max(now.grads, peak.grads), max(now.optimizer, peak.optimizer)
-        )
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter by name, in the optimizer's precision (a collective: call it on every rank)."""
-        return self._by_name(lambda unit: unit.master)
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Every parameter's gradient of the last step by name, as the update used it: summed over the ranks
-        and divided by d, the gradient of the mean loss over the global batch, in the precision it was
-        reduced in (a collective: call it on every rank, after ``step``)."""
-        return self._by_name(lambda unit: unit.grad_shard)
-
-    def _by_name(self, shard_of) -> dict[str, torch.Tensor]:
-        """The full tensors whose owned shards ``shard_of(unit)`` returns, cut into named parameters."""
-        out = {}
-        for unit in self.units:
-            full = self._gather_shard(unit, shard_of(unit))
-            out.update(zip(unit.names, (v.clone() for v in unit.views(full)), strict=True))
-        return out
-
-    def _gather_shard(self, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
-        return shard  # stage 0 owns every element
-
-
-class ZeRO1(ZeRO0):
-    """Stage 1: each rank keeps the optimizer state of its shard only.
-
-    Gradients are still computed in full, then reduce-scattered: rank r receives the averaged gradient of
-    shard r, in place in its own slice of the gradient buffer. It updates that shard, and an all-gather
-    (in place, every rank's slice of the flat parameters) brings everyone the updated parameters.
-    Reduce-scatter plus all-gather move as many bytes as DDP's all-reduce.
-    """
-
-    stage = 1
-
-    def _owned(self, unit: FlatUnit) -> slice:
-        return unit.owned
-
-    def _reduce_gradients(self) -> None:
-        for unit in self.units:
-            dist.reduce_scatter_single(unit.grad_shard, unit.grad_full, group=self.group)
-            unit.grad_shard.div_(self.world_size)
-
-    def _after_update(self, unit: FlatUnit) -> None:
-        dist.all_gather_single(unit.full, unit.param_shard, group=self.group)
-
-    def _gather_shard(self, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
-        full = torch.empty(unit.padded_numel, dtype=shard.dtype)
-        dist.all_gather_single(full, shard, group=self.group)
-        return full
-
-
-class ZeRO2(ZeRO1):
-    """Stage 2: the gradients are sharded too.
-
-    A unit's full-size gradient buffer is allocated when its backward begins (the gradient of the unit's
-    output arrives), filled by autograd, reduce-scattered into the owner's shard as soon as every one of
-    its parameters has its gradient, and freed. At most the root and one block hold full gradients at once.
-    """
-
-    stage = 2
-
-    def _init_grads(self, unit: FlatUnit) -> None:
-        unit.grad_full = None  # exists only during the unit's backward
-        unit.grad_shard = torch.zeros(unit.shard_numel, dtype=self.compute_dtype)
-        unit.pending = 0
-        for p in unit.params:
-            p.grad = None
-            p.register_post_accumulate_grad_hook(lambda _, unit=unit: self._after_param_grad(unit))
-
-    def _install_hooks(self) -> None:
-        for unit in self.units:
-            unit.module.register_forward_hook(lambda _, args, out, unit=unit: self._after_forward(unit, out))
-
-    def _zero_grads(self) -> None:
-        for unit in self.units:
-            unit.grad_shard.zero_()
-
-    def _after_forward(self, unit: FlatUnit, output) -> None:
-        if torch.is_grad_enabled():
-            # The gradient of the unit's output arrives just before the unit's own backward starts.
-            for tensor in _output_tensors(output):
-                tensor.register_hook(lambda _, unit=unit: self._before_backward(unit))
-
-    def _before_backward(self, unit: FlatUnit) -> None:
-        if unit.grad_full is None:  # a unit with several outputs hears from each of them
-            unit.grad_full = torch.zeros(unit.padded_numel, dtype=self.compute_dtype)
-            self._bind_grads(unit)
-            unit.pending = len(unit.params)
-            self._measure()
-
-    def _after_param_grad(self, unit: FlatUnit) -> None:
-        unit.pending -= 1
-        if unit.pending == 0:
-            self._after_backward(unit)
-
-    def _after_backward(self, unit: FlatUnit) -> None:
-        self._measure()
-        dist.reduce_scatter_single(unit.grad_shard, unit.grad_full, group=self.group)
-        unit.grad_shard.div_(self.world_size)
-        for p in unit.params:
-            p.grad = None
-        unit.grad_full = None
-
-    def _reduce_gradients(self) -> None:
-        """Already done unit by unit during the backward pass."""
-
-
-class ZeRO3(ZeRO2):
-    """Stage 3: the parameters are sharded too (what FSDP calls full sharding).
-
-    Between uses a unit's flat parameter buffer has no storage; a forward pre-hook all-gathers the
-    shards into it, a forward hook frees it, the gradient of the unit's output all-gathers it again
-    for the backward, and it is freed once the unit's gradients are reduce-scattered. Nothing is
-    gathered after the update: the next forward does it. With ``quantized_gather`` the shards travel
-    as int8 with one fp32 scale per 256 values (ZeRO++'s qwZ); the shards themselves stay exact.
-    """
-
-    stage = 3
-
-    def __init__(self, model: nn.Module, *, quantized_gather: bool = False, **options):
-        self.quantized_gather = quantized_gather
-        super().__init__(model, **options)
-
-    def _init_params(self, unit: FlatUnit, initial: torch.Tensor) -> None:
-        unit.param_shard = initial[unit.owned].to(self.compute_dtype, copy=True)
-        unit.full = torch.empty(unit.padded_numel, dtype=self.compute_dtype)
-        self._bind_params(unit)
-        self._free(unit)
-
-    def _install_hooks(self) -> None:
-        super()._install_hooks()
-        for unit in self.units:
-            unit.module.register_forward_pre_hook(lambda _, args, unit=unit: self._gather(unit))
-
-    def _after_forward(self, unit: FlatUnit, output) -> None:
-        self._free(unit)
-        super()._after_forward(unit, output)
-
-    def _before_backward(self, unit: FlatUnit) -> None:
-        self._gather(unit)
-        super()._before_backward(unit)
-
-    def _after_backward(self, unit: FlatUnit) -> None:
-        super()._after_backward(unit)
-        self._free(unit)
-
-    def _after_update(self, unit: FlatUnit) -> None:
-        """The next forward gathers the updated shards."""
-
-    def _gather(self, unit: FlatUnit) -> None:
-        storage = unit.full.untyped_storage()
-        if storage.nbytes():
-            return  # already gathered
-        # Refill the same storage: the parameter views, and the copies autograd saved in the forward, see it.
-        storage.resize_(unit.padded_numel * unit.full.element_size())
-        if self.quantized_gather:
-            q, scales = quantize_int8_blockwise(unit.param_shard)
-            all_q = torch.empty(q.numel() * self.world_size, dtype=torch.int8)
-            all_scales = torch.empty(scales.numel() * self.world_size, dtype=torch.float32)
-            dist.all_gather_single(all_q, q, group=self.group)
-            dist.all_gather_single(all_scales, scales, group=self.group)
-            shards = dequantize_int8_blockwise(all_q, all_scales).view(self.world_size, -1)
-            unit.full.view(self.world_size, -1).copy_(shards[:, : unit.shard_numel])
-        else:
-            dist.all_gather_single(unit.full, unit.param_shard, group=self.group)
-        self._measure()
-
-    def _free(self, unit: FlatUnit) -> None:
-        unit.full.untyped_storage().resize_(0)
-
-
-ENGINES = {0: ZeRO0, 1: ZeRO1, 2: ZeRO2, 3: ZeRO3}
-
-
-def zero_data_parallel(model: nn.Module, stage: int, **options) -> ZeRO0:
-    """The ZeRO engine of ``stage`` (0-3) for ``model`` over the default (or given) process group.
-
-    Options: ``lr``, ``betas``, ``eps``, ``weight_decay`` (AdamW), ``mixed_precision``, ``wrap`` (the
-    modules that get their own unit; default ``model.blocks``), ``group``, and for stage 3
-    ``quantized_gather``.
-    """
-    if stage not in ENGINES:
-        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
-    if options.get("quantized_gather") and stage != 3:
-        raise ValueError("quantized_gather compresses the parameter all-gathers of stage 3; use stage=3")
-    return ENGINES[stage](model, **options)
-
-
-def _check_arguments(model, wrap, lr, betas, eps, weight_decay) -> None:
-    problems = []
-    if not dist.is_initialized():
-        problems.append("no process group: run under scalebook.comm.launch or torchrun (dist.init_process_group)")
-    params = list(model.parameters())
-    if not params:
-        problems.append("the model has no parameters")
-    elif any(p.dtype not in (torch.float32, torch.float64) for p in params):
-        problems.append("the model's parameters must be float32 (or float64); mixed precision is an option")
-    if any(not p.requires_grad for p in params):
-        problems.append("every parameter must require a gradient (frozen parameters are not supported)")
-    owners = [id(p) for module in wrap for p in module.parameters()]
-    if len(owners) != len(set(owners)):
-        problems.append("a parameter belongs to two wrapped modules; wrap disjoint modules")
-    inside = {id(m) for m in model.modules()}
-    if any(id(module) not in inside for module in wrap):
-        problems.append("every wrapped module must be a submodule of the model")
-    if not (isinstance(lr, (int, float)) and lr > 0):
-        problems.append(f"lr must be a positive number, got {lr!r}")
-    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-        problems.append(f"betas must be two numbers in [0, 1), got {betas!r}")
-    if not eps > 0 or weight_decay < 0:
-        problems.append(f"need eps > 0 and weight_decay >= 0, got eps={eps!r}, weight_decay={weight_decay!r}")
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
-# ----- Experiments: the chapter's runs, each rank returning every number it measured ---------------------
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """One small training run: model size, steps, per-rank batch and AdamW's hyper-parameters."""
-
-    config: GPTConfig
-    steps: int = 3
-    batch_size: int = 2  # sequences per rank; the global batch is batch_size * world_size
-    seq_len: int = 32
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    seed: int = 0
-
-    def adamw(self) -> dict:
-        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
-
-    def model(self, dtype: torch.dtype = torch.float32) -> nn.Module:
-        """The same freshly initialised GPT on every rank (same seed)."""
-        torch.manual_seed(self.seed)
-        return GPT(self.config).to(dtype)
-
-    def batches(self, rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's rows of each step's global batch (all rows with ``rank=0, world_size=1`` and a larger batch)."""
-        generator = torch.Generator().manual_seed(self.seed)
-        return [data.get_batch(_corpus_tokens(), self.batch_size, self.seq_len, generator, rank=rank,
-                               world_size=world_size) for _ in range(self.steps)]  # fmt: skip
-
-
-@functools.cache
-def _corpus_tokens() -> torch.Tensor:
-    return data.tokenize(data.default_corpus())
-
-
-def train_single_process(recipe: Recipe, world_size: int, dtype: torch.dtype = torch.float32) -> dict:
-    """The reference: one process, the whole global batch, ``torch.optim.AdamW``. Needs no process group.
-
-    ``grads`` is the first step's gradient, taken after the backward pass and before the update: every
-    method starts from the same weights, so their first gradients must agree to rounding.
-    """
-    model = recipe.model(dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **recipe.adamw())
-    global_recipe = replace(recipe, batch_size=recipe.batch_size * world_size)
-    losses, grads = [], None
-    for x, y in global_recipe.batches(0, 1):
-        _, loss = model(x, y)
-        loss.backward()
-        if grads is None:
-            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "losses": losses,
-            "grads": grads}  # fmt: skip
-
-
-def train_zero(recipe: Recipe, stage: int, dtype: torch.dtype = torch.float32, **options) -> dict:
-    """Our ZeRO ``stage`` on this rank: final parameters, losses, the first step's averaged gradients
-    (:meth:`ZeRO0.full_gradients`), held and peak bytes, and the collectives of the last step: ``traffic``
-    (calls, bytes sent by the ring algorithm) and ``messages`` (message bytes) by operation."""
-    engine = zero_data_parallel(recipe.model(dtype), stage, **recipe.adamw(), **options)
-    losses, grads = [], None
-    for x, y in recipe.batches(dist.get_rank(), dist.get_world_size()):
-        with count_traffic() as traffic:
-            losses.append(engine.step(x, y))
-        if grads is None:  # gathered outside the count: the step's traffic stays the step's own
-            grads = engine.full_gradients()
-    return {"params": engine.full_parameters(), "losses": losses, "grads": grads, "held": engine.held_bytes(),
-            "peak": engine.peak_bytes, "traffic": traffic.by_op(),
-            "messages": traffic.message_bytes_by_op()}  # fmt: skip
-
-
-def _train_reference(model: nn.Module, optimizer, recipe: Recipe, full_gradients) -> tuple[list[float], dict, object]:
-    """The training loop of the PyTorch references on this rank: the losses, the first step's gradients
-    (``full_gradients()`` called between the backward pass and the update), and the last step's traffic."""
-    losses, grads = [], None
-    for x, y in recipe.batches(dist.get_rank(), dist.get_world_size()):
-        with count_traffic() as traffic:
-            _, loss = model(x, y)
-            loss.backward()
-        if grads is None:  # outside the count, like train_zero's
-            grads = full_gradients()
-        with count_traffic() as update:
-            optimizer.step()
-        traffic.calls += update.calls
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, grads, traffic
-
-
-def train_torch_zero1(recipe: Recipe, dtype: torch.dtype = torch.float32) -> dict:
-    """PyTorch's ZeRO-1: ``DistributedDataParallel`` plus ``ZeroRedundancyOptimizer`` wrapping AdamW.
-
-    DDP all-reduces from C++, invisible to the traffic counter, so a communication hook that all-reduces
-    from Python (``allreduce_hook``, what DDP does anyway) makes it count.
-    """
-    # PyTorch's distributed optimizers and FSDP take seconds to import; only their runs pay for it.
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = recipe.model(dtype)
-    ddp = DistributedDataParallel(model)
-    ddp.register_comm_hook(None, allreduce_hook)
-    optimizer = ZeroRedundancyOptimizer(
-        model.parameters(), optimizer_class=torch.optim.AdamW, foreach=False, **recipe.adamw()
-    )
-    losses, grads, traffic = _train_reference(
-        ddp, optimizer, recipe, lambda: {name: p.grad.clone() for name, p in model.named_parameters()}
-    )
-    state = [t for s in optimizer.optim.state.values() for t in s.values() if t.dim() > 0]
-    return {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "losses": losses,
-            "grads": grads, "optimizer_bytes": _storage_bytes(state), "traffic": traffic.by_op()}  # fmt: skip
-
-
-def shard_with_fsdp2(model: nn.Module, mesh, *, reshard_after_forward: bool | None = True, mp_policy=None):
-    """FSDP2 as this chapter's ZeRO-3 shards: one ``fully_shard`` group per block, then the root.
-
-    ``reshard_after_forward=None`` is FSDP2's default: ``True`` for the blocks, ``False`` for the root,
-    whose parameters would otherwise be gathered again at once when the backward pass begins.
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = mp_policy or MixedPrecisionPolicy()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    return model
-
-
-def train_fsdp2(recipe: Recipe, dtype: torch.dtype = torch.float32, **fsdp_options) -> dict:
-    """PyTorch's FSDP2 (``fully_shard`` on a CPU device mesh) with AdamW; options go to :func:`shard_with_fsdp2`."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = shard_with_fsdp2(recipe.model(dtype), mesh, **fsdp_options)
-    optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **recipe.adamw())
-    losses, grads, traffic = _train_reference(
-        model, optimizer, recipe, lambda: {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-    )
-    params = {name: p.full_tensor() for name, p in model.named_parameters()}  # a collective
-    local = [p.to_local() for p in model.parameters()]
-    state = [t.to_local() for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
-    return {"params": params, "losses": losses, "grads": grads, "traffic": traffic.by_op(),
-            "param_bytes": _storage_bytes(local), "optimizer_bytes": _storage_bytes(state)}  # fmt: skip
-
-
-def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest elementwise difference between two sets of named parameters (same names required)."""
-    if a.keys() != b.keys():
-        raise ValueError(f"different parameter names: {sorted(a.keys() ^ b.keys())}")
-    return max((a[name].double() - b[name].double()).abs().max().item() for name in a)
-
-
-def chapter_experiments(recipe: Recipe, curve_recipe: Recipe | None = None) -> dict:
-    """Every run of Chapter 11 on this rank, reduced to numbers (run it with ``scalebook.comm.launch``).
-
-    * ``errors[dtype][(a, b)]`` (rank 0 only): the largest absolute difference of the parameters after
-      ``recipe.steps`` AdamW steps between methods ``a`` and ``b``: one process on the global batch, our
-      four stages, PyTorch's ZeRO-1 (``ZeroRedundancyOptimizer``) and FSDP2; in float64 and in float32,
-      and (``"bf16"``) our mixed-precision stage 3 against FSDP2 reducing in bf16.
-    * ``grad_errors[dtype][(a, b)]`` (rank 0 only): the same pairs compared on the first step's gradient,
-      after the backward pass and before any update, by :func:`scalebook.parity.max_relative_difference`.
-    * ``states[(precision, stage)]``: bytes held and at peak, and one step's traffic by operation.
-    * ``torch_zero1``, ``fsdp2[reshard_after_forward]``: PyTorch's bytes per rank and traffic.
-    * with ``curve_recipe``: ``curves`` (losses of ZeRO-3 in fp32, with int8 gathers, in bf16, and of
-      FSDP2 with ``MixedPrecisionPolicy(bf16, reduce fp32)``) and the int8 run's ``quantized_traffic``.
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    out = {"world_size": world, "rank": rank, "errors": {}, "grad_errors": {}, "states": {}}
-    for dtype_name, dtype in (("fp64", torch.float64), ("fp32", torch.float32)):
-        runs = {f"ZeRO-{stage}": train_zero(recipe, stage, dtype) for stage in STAGES}
-        runs["ZeroRedundancyOptimizer"] = train_torch_zero1(recipe, dtype)
-        runs["FSDP2"] = train_fsdp2(recipe, dtype)
-        if rank == 0:  # the reference needs no peers
-            runs["single process"] = train_single_process(recipe, world, dtype)
-            pairs = [(name, "single process") for name in runs if name != "single process"]
-            pairs += [("ZeRO-1", "ZeroRedundancyOptimizer"), ("ZeRO-3", "FSDP2")]
-            out["errors"][dtype_name] = {(a, b): max_abs_difference(runs[a]["params"], runs[b]["params"])
-                                         for a, b in pairs}  # fmt: skip
-            out["grad_errors"][dtype_name] = {(a, b): max_relative_difference(runs[a]["grads"], runs[b]["grads"])
-                                              for a, b in pairs}  # fmt: skip
-    # Mixed precision: FSDP2 reducing in bf16 too (reduce_dtype=bf16) does what our mixed_precision does.
-    bf16_both = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    ours, theirs = train_zero(recipe, 3, mixed_precision=True), train_fsdp2(recipe, mp_policy=bf16_both)
-    if rank == 0:
-        out["errors"]["bf16"] = {("ZeRO-3", "FSDP2"): max_abs_difference(ours["params"], theirs["params"])}
-        out["grad_errors"]["bf16"] = {("ZeRO-3", "FSDP2"): max_relative_difference(ours["grads"], theirs["grads"])}
-    # float32 was the last dtype of the loop: its runs measured the bytes that the fp32 formulas predict.
-    for stage in STAGES:
-        out["states"][("fp32", stage)] = {k: runs[f"ZeRO-{stage}"][k] for k in ("held", "peak", "traffic", "messages")}
-    out["torch_zero1"] = {k: runs["ZeroRedundancyOptimizer"][k] for k in ("optimizer_bytes", "traffic")}
-    out["fsdp2"] = {True: {k: runs["FSDP2"][k] for k in ("param_bytes", "optimizer_bytes", "traffic")}}
-    one_step = replace(recipe, steps=1)  # bytes held and sent are the same at every step
-    for stage in STAGES:
-        run = train_zero(one_step, stage, mixed_precision=True)
-        out["states"][("mixed", stage)] = {k: run[k] for k in ("held", "peak", "traffic", "messages")}
-    for reshard in (None, False):
-        out["fsdp2"][reshard] = {"traffic": train_fsdp2(one_step, reshard_after_forward=reshard)["traffic"]}
-    if curve_recipe is not None:
-        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        quantized = train_zero(curve_recipe, 3, quantized_gather=True)
-        out["curves"] = {
-            "ZeRO-3 fp32": train_zero(curve_recipe, 3)["losses"],
-            "ZeRO-3 int8 all-gather": quantized["losses"],
-            "ZeRO-3 bf16": train_zero(curve_recipe, 3, mixed_precision=True)["losses"],
-            "FSDP2 bf16 (fp32 reduce)": train_fsdp2(curve_recipe, mp_policy=bf16)["losses"],
-        }
-        out["quantized_traffic"] = quantized["traffic"]
-    return out
