@@ -1,16 +1,21 @@
-"""Pipeline parallelism: schedules, their closed forms, and runs that match the unpartitioned model
-and torch.distributed.pipelining."""
+"""Pipeline parallelism: stages as slices of the GPT, schedules and their closed forms, a point-to-point plan
+that pairs under NCCL's rules, and runs that match the unpartitioned model and torch.distributed.pipelining."""
 
+import copy
 import statistics
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from scalebook import configs, data
 from scalebook.accounting import pipeline as acc
-from scalebook.model import GPTConfig
+from scalebook.comm import launch
+from scalebook.experiments import pipeline as ex
+from scalebook.experiments.pipeline import PipelineRun
+from scalebook.model import GPT, GPTConfig
 from scalebook.parallel import pipeline as pp
-from scalebook.parallel.pipeline import PipelineRun
 
 # Small enough that a P=4 launch runs a dozen steps in seconds; 8 layers split over up to 8 stages.
 CONFIG = GPTConfig(vocab_size=256, block_size=16, n_layer=8, n_head=2, n_embd=32)
@@ -29,12 +34,37 @@ def _relative_error(grad, reference):
 
 
 def _batch(batch_size=8):
-    tokens = data.tokenize(data.default_corpus())
-    return data.get_batch(tokens, batch_size, CONFIG.block_size, torch.Generator().manual_seed(0))
+    return data.get_batch(data.corpus_tokens(), batch_size, CONFIG.block_size, torch.Generator().manual_seed(0))
 
 
 def _actions(schedule, rank):
     return " ".join(f"{a.kind}{a.microbatch}" for a in schedule.actions[rank])
+
+
+# ----- a stage is a slice of the GPT (one process) -------------------------------------------------
+
+
+def test_stages_chained_in_one_process_are_the_model_with_its_parameter_names():
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    x, y = _batch()
+    _, reference = model(x, y)
+    stages = [pp.pipeline_stage(copy.deepcopy(model), s, 3, layers_per_stage=(2, 5, 1)) for s in range(3)]
+    hidden = stages[1](stages[0](x))
+    _, loss = stages[2](hidden, y)
+    assert loss.item() == reference.item()  # the same operations in the same order: bit-identical
+    assert [list(s.blocks.keys()) for s in stages] == [["0", "1"], ["2", "3", "4", "5", "6"], ["7"]]
+    assert stages[0].lm_head is None and stages[0].ln_f is None and stages[2].wte is None and stages[2].wpe is None
+    # Every parameter keeps the full model's name; the tied matrix is wte on the first stage, lm_head on the last.
+    names = [name for s in stages for name, _ in s.named_parameters()]
+    assert sorted(names) == sorted([*dict(model.named_parameters()), "lm_head.weight"])
+    assert torch.equal(stages[2].lm_head.weight, model.wte.weight)
+    with pytest.raises(ValueError, match="already a pipeline stage"):
+        pp.pipeline_stage(stages[0], 0, 3)
+    with pytest.raises(ValueError, match=r"stage must be an integer in \[0, n_stages=3\)"):
+        pp.pipeline_stage(copy.deepcopy(model), 3, 3)
+    with pytest.raises(ValueError, match="8 layers do not split evenly over 3 stages"):
+        pp.pipeline_stage(copy.deepcopy(model), 0, 3)
 
 
 # ----- closed forms and schedules (no processes) --------------------------------------------------
@@ -89,7 +119,7 @@ def test_simulated_bubble_equals_formula(name, v, P):
     for M in (P, 2 * P, 4 * P):
         schedule = pp.build_schedule(name, P, M, v)
         for backward in (1.0, 2.0, 3.0):
-            simulated = pp.simulated_bubble(schedule, forward=1.0, backward=backward)
+            simulated = ex.simulated_bubble(schedule, forward=1.0, backward=backward)
             assert simulated == pytest.approx(acc.bubble_fraction(P, M, virtual_stages=v), abs=1e-12)
 
 
@@ -98,25 +128,98 @@ def test_peak_in_flight_of_schedules_matches_closed_form(name, v):
     for P in (2, 3, 4, 8):
         for M in (P, 2 * P, 3 * P):
             closed = [acc.peak_in_flight(name, P, M, r, virtual_stages=v) for r in range(P)]
-            assert pp.peak_in_flight(pp.build_schedule(name, P, M, v)) == closed
+            assert ex.peak_in_flight(pp.build_schedule(name, P, M, v)) == closed
     assert [acc.peak_in_flight("1f1b", 4, 8, r) for r in range(4)] == [4, 3, 2, 1]
     assert acc.peak_in_flight("gpipe", 4, 8, 0) == 8
     # Interleaved, P = 4, v = 2, rank 0: 2 (P - 1) + (v - 1) P = 10 warm-up chunks, then one more.
     assert acc.peak_in_flight("interleaved", 4, 8, 0, virtual_stages=2) == 11
 
 
-def test_a_schedule_that_deadlocks_is_refused():
+def test_a_schedule_that_deadlocks_is_refused_by_the_simulation_and_the_runtime():
     good = pp.build_schedule("gpipe", 2, 2)
     swapped = (good.actions[0], tuple(reversed(good.actions[1])))  # rank 1 wants B1 before any forward
     bad = pp.Schedule("broken", 2, 2, 1, swapped)
     with pytest.raises(ValueError, match="deadlocks: rank 0 waits at .*, rank 1 waits at .*'B', microbatch=1"):
         pp.simulate(bad)
+    with pytest.raises(ValueError, match="deadlocks"):
+        pp.p2p_plan(bad, 0)
+    split = ex.schedule_from_torch("ZBVZeroBubble", 2, 4)
+    with pytest.raises(ValueError, match="the runtime runs F and B actions"):
+        pp.p2p_plan(split, 0)
 
 
 def test_schedule_table_prints_the_gantt_chart():
-    assert str(pp.build_schedule("gpipe", 2, 2)) == (
+    assert ex.schedule_table(pp.build_schedule("gpipe", 2, 2)) == (
         "gpipe: p=2 ranks, m=2 micro-batches\nrank 0 | F0 F1 .  .  B0 B1\nrank 1 | .  F0 F1 B0 B1 ."
     )
+
+
+# ----- the point-to-point plan under NCCL's rules --------------------------------------------------
+
+
+def _execute_under_nccl_rules(plans):
+    """Run every rank's batches as NCCL would: a rank's batches one after another, each finished when every
+    transfer in it has its counterpart posted on the peer, the n-th send from a to b paired with the n-th
+    receive on b from a (tags ignored). Returns each direction's messages as (sent, received) in pairing
+    order; raises AssertionError naming the ranks if they deadlock."""
+    P = len(plans)
+    posted = {}  # (rank, peer, send?) -> transfers posted so far; finished likewise
+    finished, position, messages = {}, [0] * P, {}
+
+    def post(rank):
+        for t in plans[rank][position[rank]] if position[rank] < len(plans[rank]) else ():
+            posted[rank, t.peer, t.send] = posted.get((rank, t.peer, t.send), 0) + 1
+            pair = (rank, t.peer) if t.send else (t.peer, rank)
+            messages.setdefault(pair, ([], []))[0 if t.send else 1].append((t.kind, t.microbatch, t.stage))
+
+    for rank in range(P):
+        post(rank)
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(P):
+            if position[rank] == len(plans[rank]):
+                continue
+            wanted = {}
+            for t in plans[rank][position[rank]]:
+                wanted[t.peer, t.send] = wanted.get((t.peer, t.send), finished.get((rank, t.peer, t.send), 0)) + 1
+            if all(posted.get((peer, rank, not send), 0) >= n for (peer, send), n in wanted.items()):
+                finished.update({(rank, peer, send): n for (peer, send), n in wanted.items()})
+                position[rank] += 1
+                post(rank)
+                progress = True
+    stuck = [rank for rank in range(P) if position[rank] < len(plans[rank])]
+    assert not stuck, f"ranks {stuck} deadlock"
+    return messages
+
+
+def _batches(schedule):
+    return [[step for step in pp.p2p_plan(schedule, rank) if isinstance(step, tuple)] for rank in range(schedule.pp)]
+
+
+@pytest.mark.parametrize("name,v", [*SCHEDULES, ("interleaved", 3)])
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+def test_p2p_plan_pairs_every_message_and_never_deadlocks_under_nccl_rules(name, v, P):
+    for M in (P, 2 * P, 4 * P):
+        schedule = pp.build_schedule(name, P, M, v)
+        for sent, received in _execute_under_nccl_rules(_batches(schedule)).values():
+            assert sent == received  # the n-th send carries what the n-th receive expects
+        messages = 2 * M * (schedule.n_stages - 1)  # each boundary: M activations and M gradients
+        assert sum(len(batch) for plan in _batches(schedule) for batch in plan) == 2 * messages  # posted twice
+
+
+def test_the_nccl_check_catches_sends_and_receives_posted_in_separate_batches():
+    # Each rank first sends its micro-batch, then receives the other's, in separate batches (as two blocking
+    # sends would): under NCCL both wait at their send. The check must fail on this plan.
+    plans = [[(pp.Transfer("F", 0, 1, 1, True),), (pp.Transfer("B", 0, 0, 1, False),)],
+             [(pp.Transfer("B", 0, 0, 0, True),), (pp.Transfer("F", 0, 1, 0, False),)]]  # fmt: skip
+    with pytest.raises(AssertionError, match=r"ranks \[0, 1\] deadlock"):
+        _execute_under_nccl_rules(plans)
+    batched = [[plans[0][0] + plans[0][1]], [plans[1][0] + plans[1][1]]]
+    assert _execute_under_nccl_rules(batched)[0, 1] == ([("F", 0, 1)], [("F", 0, 1)])
+
+
+# ----- layouts that cannot run --------------------------------------------------------------------
 
 
 def test_balanced_partition_hand_examples():
@@ -152,7 +255,7 @@ def test_invalid_layouts_raise_before_any_process_starts(monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("a process was started for an invalid layout")
 
-    monkeypatch.setattr(pp, "launch", no_launch)
+    monkeypatch.setattr(ex, "launch", no_launch)
     x, y = _batch()
     cases = [
         (4, [PipelineRun("interleaved", 6, 2)], "microbatches must be a multiple of 4"),
@@ -170,7 +273,7 @@ def test_invalid_layouts_raise_before_any_process_starts(monkeypatch):
     ]
     for pp_size, runs, message in cases:
         with pytest.raises(ValueError, match=message):
-            pp.run_pipeline(CONFIG, pp_size, runs, x, y)
+            ex.run_pipeline(CONFIG, pp_size, runs, x, y)
     with pytest.raises(ValueError, match="multiple of 4"):
         pp.build_schedule("interleaved", 4, 6, 2)
 
@@ -179,7 +282,7 @@ def test_invalid_layouts_raise_before_any_process_starts(monkeypatch):
 
 
 def _check_equivalence_and_counts(results, P, x):
-    reference_loss, reference_grads = pp.reference_loss_and_grads(CONFIG, x, _batch()[1], seed=0)
+    reference_loss, reference_grads = ex.reference_loss_and_grads(CONFIG, x, _batch()[1], seed=0)
     for result in results:
         run = result.run
         assert result.loss == pytest.approx(reference_loss, abs=TOLERANCE)
@@ -211,7 +314,7 @@ def test_two_stages_match_unpartitioned_model_and_torch_pipelining():
     # Emulated timing: every forward lasts 30 ms and every backward 60 ms (per micro-batch and rank), so
     # the bubble is the schedule's; the faster of two repeats is kept.
     timed = [PipelineRun(name, 4, v, emulate=(0.03, 0.06), repeats=2) for name, v in SCHEDULES]
-    results = pp.run_pipeline(CONFIG, 2, runs + timed, x, y)
+    results = ex.run_pipeline(CONFIG, 2, runs + timed, x, y)
     _check_equivalence_and_counts(results[: len(runs)], 2, x)
     excess = [
         statistics.mean(r.measured_bubble()) - acc.bubble_fraction(2, 4, virtual_stages=r.run.virtual_stages)
@@ -226,5 +329,57 @@ def test_four_stages_match_unpartitioned_model_and_torch_pipelining():
     x, y = _batch()
     runs = [PipelineRun(name, M, v, compare_torch=True) for name, v in SCHEDULES for M in (4, 8)]
     runs.append(PipelineRun("1f1b", 8, layers_per_stage=(1, 3, 3, 1), compare_torch=True))
-    results = pp.run_pipeline(CONFIG, 4, runs, x, y)
+    results = ex.run_pipeline(CONFIG, 4, runs, x, y)
     _check_equivalence_and_counts(results, 4, x)
+
+
+def _batched_p2p_only_worker(x, y):
+    """Run every schedule with point-to-point calls allowed only inside batch_isend_irecv, all with tag 0;
+    return the losses, and the errors of a direct isend and of stages that do not fit the schedule."""
+    direct = {name: getattr(c10d, name) for name in ("send", "recv", "isend", "irecv")}
+    batch_isend_irecv, inside = c10d.batch_isend_irecv, []
+
+    def guarded(name):
+        def call(*args, **kwargs):
+            if not inside:
+                raise AssertionError(f"dist.{name} called outside batch_isend_irecv")
+            return direct[name](*args, **kwargs)
+
+        return call
+
+    def batched(ops):
+        assert all(op.tag == 0 for op in ops), "a tag was used"
+        inside.append(True)
+        try:
+            return batch_isend_irecv(ops)
+        finally:
+            inside.pop()
+
+    for name in direct:  # P2POp and batch_isend_irecv compare ops with c10d.isend: one object in both namespaces
+        setattr(c10d, name, guarded(name))
+        setattr(dist, name, getattr(c10d, name))
+    c10d.batch_isend_irecv = dist.batch_isend_irecv = batched
+    group, rank = dist.new_group([0, 1]), dist.get_rank()
+    torch.manual_seed(0)
+    model, losses = GPT(CONFIG), []
+    for name, v in SCHEDULES:
+        schedule = pp.build_schedule(name, 2, 4, v)
+        loss = pp.run_schedule(schedule, ex.build_stages(model, schedule, rank), x, y, group=group)
+        losses.append(None if loss is None else loss.item())
+    errors, schedule = [], pp.build_schedule("1f1b", 2, 4)
+    for attempt in (lambda: dist.isend(torch.zeros(1), dst=1 - rank),
+                    lambda: pp.run_schedule(schedule, {5: model}, x, y, group=group)):  # fmt: skip
+        try:
+            attempt()
+        except (AssertionError, ValueError) as error:
+            errors.append(str(error))
+    return losses, errors
+
+
+def test_runtime_communicates_only_through_batch_isend_irecv_without_tags():
+    x, y = _batch()
+    reference_loss, _ = ex.reference_loss_and_grads(CONFIG, x, y, seed=0)
+    (first_losses, first_errors), (last_losses, _) = launch(_batched_p2p_only_worker, 2, x, y)
+    assert first_losses == [None] * 3
+    assert last_losses == pytest.approx([reference_loss] * 3, abs=TOLERANCE)
+    assert first_errors == ["dist.isend called outside batch_isend_irecv", "rank 0 holds stages [0], got stages [5]"]
