@@ -1,176 +1,199 @@
-"""The book's own strategies in `python -m scalebook.train`: Chapter 10's DDP, Chapter 11's ZeRO stages,
-Chapter 12's tensor parallelism, Chapter 13's pipeline and Chapter 14's DP x TP x PP train to the
-single-process losses and gradient norms (before clipping), resume bit-identically from their checkpoints,
-consolidate into the single-process model, and bad layouts fail before any rank starts."""
+"""Every layout of `python -m scalebook.train` is one process's training: PyTorch's DDP and FSDP2, the book's
+DDP (Ch. 10) and ZeRO stages (Ch. 11), tensor (Ch. 12), pipeline (Ch. 13), context and expert parallelism and
+their compositions (Ch. 14) give the single-process losses and gradient norms (before clipping), resume
+bit-identically from their checkpoints and consolidate into the single-process model; and every impossible
+layout fails with one message naming the flag to change, before any rank starts work.
 
-import functools
+The runs go through the CLI's own ``run(args)`` on ranks started by :func:`scalebook.comm.launch`, several
+layouts per launch (starting ranks costs seconds on two cores; ``tests/test_cli.py`` keeps the real
+``torchrun`` and ``python -m scalebook.train`` runs)."""
+
+import argparse
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from scalebook import checkpoint
-from scalebook.cli import LocalRun, build_parser, main, run_local, validate
+from scalebook.comm import launch
+from scalebook.train import checkpoint, cli
 
 # One micro-batch of one sequence: the single process accumulates 4 micro-batches per step, each of two
-# ranks 2, so gradient accumulation (and no_sync, and ZeRO-2/3's sum of reduce-scattered shards) is used;
-# the pipelines run 1F1B over the 4 micro-batches. The gradient norm is 2 to 9 in these steps (measured),
-# so the clipping at 1.0 acts on every step.
-SMALL = ["--steps", "6", "--micro-batch", "1", "--global-batch", "4", "--seq-len", "32", "--no-progress"]
-LAYOUT = {
-    "ddp": ["--bucket-cap-mb", "0.5"],  # 0.5 MiB: 7 buckets of the tiny GPT's 3 MiB
-    "tp": ["--tp", "2"],
-    "pp": ["--pp", "2"],  # 2 layers per stage
-    # Each stage tensor-parallel: replicated parameters and the tied embedding's two copies (first and last
-    # stage) must each count once in the gradient norm. Data parallelism on top: see test_3d_with_replicas...
-    "3d": ["--dp", "1", "--tp", "2", "--pp", "2"],
+# replicas 2, so gradient accumulation (no_sync, ZeRO-2/3's sum of reduce-scattered shards) is used; the
+# pipelines run 1F1B over the 4 micro-batches. The gradient norm is 2 to 9 in these steps (measured), so
+# the clipping at 1.0 acts on every step.
+SMALL = ["--steps", "6", "--micro-batch", "1", "--global-batch", "4", "--seq-len", "32", "--no-progress",
+         "--log-every", "100", "--checkpoint-every", "2"]  # fmt: skip
+MOE = ["--moe-experts", "4"]  # four experts per MLP, top-2 routing, dropless
+TWO_RANKS = {
+    "ddp": ["--strategy", "ddp", "--bucket-cap-mb", "0.5"],  # 0.5 MiB: 7 buckets of the tiny GPT's 3 MiB
+    "torch-ddp": ["--strategy", "torch-ddp"],
+    "fsdp": ["--strategy", "fsdp"],
+    "zero1": ["--strategy", "zero1"],
+    "zero2": ["--strategy", "zero2"],
+    "zero3": ["--strategy", "zero3"],
+    "tp": ["--strategy", "tp", "--tp", "2"],
+    "pp": ["--strategy", "pp", "--pp", "2"],  # 2 layers per stage
+    "cp": ["--strategy", "ddp", "--cp", "2"],  # each sequence in 4 chunks of 8 tokens, zig-zag
+    "ep": ["--strategy", "ddp", "--ep", "2", *MOE],  # two experts per rank
 }
-NPROC = {"3d": 4}  # the others run on 2 ranks
-STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d"]
+FOUR_RANKS = {
+    # Each stage tensor-parallel: replicated parameters and the tied embedding's two copies (first and last
+    # stage) must each count once in the gradient norm.
+    "3d": ["--strategy", "3d", "--dp", "1", "--tp", "2", "--pp", "2"],
+    "dp2 x pp2": ["--strategy", "3d", "--dp", "2", "--pp", "2"],  # each replica pipelines half the batch
+    "zero1 dp2 x tp2": ["--strategy", "zero1", "--tp", "2"],
+    "dp2 x cp2": ["--strategy", "ddp", "--cp", "2"],  # gradients averaged over the 4 dp x cp ranks
+    "dp4 x ep2": ["--strategy", "ddp", "--ep", "2", *MOE],  # two replicas of each expert, averaged
+}
 
 
-def train(*args: str, nproc: int = 1, check: bool = True) -> LocalRun:
-    result = run_local(list(args), nproc=nproc, timeout=120)
-    if check:
-        assert result.returncode == 0, result.stderr[-3000:]
-    return result
+def args_of(argv: list[str], **changes) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(cli.build_parser().parse_args(argv)), **changes})
 
 
-def strategy_args(strategy: str) -> list[str]:
-    return [*SMALL, "--strategy", strategy, *LAYOUT.get(strategy, [])]
+def steps(records) -> list[tuple[float, float]]:
+    return [(r.loss, r.grad_norm) for r in records]
 
 
-@functools.cache
-def uninterrupted(strategy: str) -> LocalRun:
-    """A 2-rank (3d: 4-rank) run of ``strategy`` from start to end (run once, shared by the tests)."""
-    return train(*strategy_args(strategy), nproc=NPROC.get(strategy, 2))
+def train_layouts(layouts: dict[str, list[str]], root: str) -> dict:
+    """Worker: each layout trained 6 steps (checkpoints at 2, 4 and 6), then resumed from step 4; on rank 0,
+    per layout, both runs' (loss, grad norm) per step and the consolidated model of the resumed run."""
+    results = {}
+    for name, argv in layouts.items():
+        ckpt = f"{root}/{name.replace(' ', '_')}"
+        full = cli.run(args_of([*SMALL, *argv], checkpoint_dir=ckpt))
+        if dist.get_rank() == 0:
+            checkpoint.mark_complete(ckpt, 4)  # as if the run had died after saving step 4
+        dist.barrier()
+        resumed = cli.run(args_of([*SMALL, *argv], checkpoint_dir=ckpt, resume=True))
+        if dist.get_rank() == 0:
+            results[name] = {"full": steps(full), "resumed": steps(resumed), "model": checkpoint.consolidate(ckpt)}
+    return results
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory) -> tuple[LocalRun, dict[str, torch.Tensor]]:
-    """The reference: one process, torch's AdamW, the whole global batch; its run and final weights."""
-    ckpt = tmp_path_factory.mktemp("single")
-    run = train(*SMALL, "--checkpoint-dir", str(ckpt))
-    return run, checkpoint.consolidate(ckpt)[0]
+def single(tmp_path_factory) -> dict[str, tuple[list, dict]]:
+    """The references: one process (one thread, as the ranks), the whole global batch, the dense GPT and its
+    mixture-of-experts variant; their (loss, grad norm) per step and final weights."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        references = {}
+        for name, extra in {"dense": [], "moe": MOE}.items():
+            ckpt = tmp_path_factory.mktemp(name)
+            records = cli.run(args_of([*SMALL, *extra], checkpoint_dir=str(ckpt)))
+            references[name] = steps(records), checkpoint.consolidate(ckpt)[0]
+    finally:
+        torch.set_num_threads(threads)
+    return references
 
 
-def assert_matches_single(run: LocalRun, reference: LocalRun) -> None:
-    """Every step's loss and gradient norm before clipping equal one process's, to float32 rounding.
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    return launch(train_layouts, 2, TWO_RANKS, str(tmp_path_factory.mktemp("two")), timeout=240)[0]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> dict:
+    return launch(train_layouts, 4, FOUR_RANKS, str(tmp_path_factory.mktemp("four")), timeout=240)[0]
+
+
+def assert_is_one_process(run: dict, reference: tuple[list, dict], world_size: int) -> None:
+    """Every step's loss and gradient norm before clipping equal one process's to float32 rounding; the
+    resumed run repeats steps 5 and 6 bit for bit; rank 0's checkpoint holds the single-process model.
 
     The same arithmetic in a different summation order (gradients summed over ranks, norms over shards,
-    tensor-parallel partial sums): the losses agree to 1e-6 relative, not bit for bit; the gradient norms
-    to ~1e-7 measured, checked at 1e-5. The norm is the stronger check: AdamW divides a constant factor
-    on the gradients out of its update, so a missing 1/d (gradients summed over the d data-parallel ranks
-    instead of averaged) hides in the losses, but it multiplies the norm by d from step 1 on. The
-    ZeRO engines' Adam is torch's AdamW(foreach=False) formula for formula, so it adds no difference.
+    tensor-parallel partial sums, ring attention's online softmax): losses agree to 1e-6 relative, gradient
+    norms to ~1e-7 measured (1e-6 under ring attention), checked at 1e-5. The norm is the stronger check:
+    AdamW divides a constant factor on the gradients out of its update, so a missing 1/d (gradients summed
+    over d replicas instead of averaged) hides in the losses, but it multiplies the norm by d from step 1.
     """
-    assert sorted(run.losses) == sorted(run.grad_norms) == sorted(reference.losses) == list(range(1, 7))
-    for step, loss in reference.losses.items():
-        assert run.grad_norms[step] == pytest.approx(reference.grad_norms[step], rel=1e-5), ("grad norm", step)
-        assert run.losses[step] == pytest.approx(loss, rel=1e-6), ("loss", step)
+    reference_steps, reference_model = reference
+    assert len(run["full"]) == len(reference_steps) == 6
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(run["full"], reference_steps, strict=True)):
+        assert norm == pytest.approx(ref_norm, rel=1e-5), ("grad norm", step + 1)
+        assert loss == pytest.approx(ref_loss, rel=1e-6), ("loss", step + 1)
+    assert run["full"][-1][0] < run["full"][0][0] - 0.5  # it learns (and does not match by chance)
+    assert min(norm for _, norm in reference_steps) > 1.5  # so clipping at 1.0 acts on every step
+    # Bit-identical: the resumed steps are those of the run that never stopped.
+    assert run["resumed"] == run["full"][4:]
+    state, meta = run["model"]
+    assert (meta["step"], meta["world_size"]) == (6, world_size)
+    assert sorted(state) == sorted(reference_model)  # every name of the single-process GPT, the tied head too
+    for name, tensor in reference_model.items():
+        # After 6 Adam steps the float32 rounding above reaches ~1e-6 in most weights. Adam's step m / sqrt(v) is
+        # scale-free, though: an element whose gradient is near zero turns rounding into a different step, a
+        # fraction of lr = 3e-3 (measured at most 1.5e-5, in one element of 65,536 under ring attention).
+        torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=5e-5, msg=name)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_strategy_reaches_the_single_process_losses_and_gradient_norms(strategy, single):
-    reference, _ = single
-    assert_matches_single(uninterrupted(strategy), reference)
-    losses = uninterrupted(strategy).losses
-    assert losses[6] < losses[1] - 0.5  # it learns (and is not a constant that matches by chance)
-    assert min(reference.grad_norms.values()) > 1.5  # so clipping at 1.0 acts on every step
+@pytest.mark.parametrize("layout", TWO_RANKS)
+def test_two_rank_layout_is_one_process(layout, two_ranks, single):
+    assert_is_one_process(two_ranks[layout], single["moe" if "--ep" in TWO_RANKS[layout] else "dense"], 2)
 
 
-def test_3d_with_replicas_reaches_the_single_process_losses_and_gradient_norms(single):
-    # DP2 x PP2: each replica pipelines its half of the batch; gradients and losses average over replicas.
-    reference, _ = single
-    assert_matches_single(train(*SMALL, "--strategy", "3d", "--dp", "2", "--tp", "1", "--pp", "2", nproc=4),
-                          reference)  # fmt: skip
+@pytest.mark.parametrize("layout", FOUR_RANKS)
+def test_four_rank_layout_is_one_process(layout, four_ranks, single):
+    assert_is_one_process(four_ranks[layout], single["moe" if "--ep" in FOUR_RANKS[layout] else "dense"], 4)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_strategy_resumes_bit_identically_and_consolidates(strategy, single, tmp_path):
-    args, nproc = strategy_args(strategy), NPROC.get(strategy, 2)
-    ckpt = tmp_path / "ckpt"
-    crashed = train(*args, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--simulate-failure-at", "5",
-                    nproc=nproc, check=False)  # fmt: skip
-    assert crashed.returncode != 0 and "simulated failure before step 5" in crashed.stderr
-    assert checkpoint.latest_step(ckpt) == 4
-    resumed_run = train(*args, "--checkpoint-dir", str(ckpt), "--resume", nproc=nproc)
-    resumed = resumed_run.losses
-    assert sorted(resumed) == [5, 6]  # it continued from step 4
-    # Bit-identical: the resumed steps are those of a run that never stopped, and the final checkpoint
-    # carries the losses that the crashed run logged before it saved.
-    full_run = uninterrupted(strategy)
-    assert [resumed[5], resumed[6]] == [full_run.losses[5], full_run.losses[6]]
-    assert [resumed_run.grad_norms[5], resumed_run.grad_norms[6]] == [full_run.grad_norms[5], full_run.grad_norms[6]]
-    saved = checkpoint.load_shard(ckpt, 6, 0)["losses"].tolist()
-    assert saved == [crashed.losses[s] for s in range(1, 5)] + [resumed[5], resumed[6]]
-    # Rank 0's file holds the full model, loadable by GPT and equal to single-process training's weights
-    # to float32 rounding after 6 Adam steps (the tolerance of test_cli's FSDP consolidation).
-    from scalebook.model import GPT, GPTConfig
+# ----- impossible layouts: one message, naming the flag, before any process group exists ------------------
 
-    state, meta = checkpoint.consolidate(ckpt)
-    assert meta == {"model_size": "tiny", "step": 6, "world_size": nproc}
-    GPT(GPTConfig.named("tiny")).load_state_dict(state)  # strict: every key, every shape
-    _, reference = single
-    for name, tensor in reference.items():
-        torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=1e-5)
+IMPOSSIBLE = [
+    (["--tp", "2", "--pp", "2"], 2, "dp x tp x pp x cp = 1 x 2 x 2 x 1 = 4 must equal the 2 ranks started"),
+    (["--strategy", "ddp", "--dp", "2", "--tp", "2"], 2, "= 4 must equal the 2 ranks started; e.g. --dp 1"),
+    (["--tp", "3"], 3, "--tp 3: invalid tensor-parallel layout: n_head (4) must be divisible by tp (3)"),
+    (["--model", "gpt2", "--tp", "2"], 2, "--tp 2: invalid tensor-parallel layout: vocab_size (50257) must be "
+     "divisible by tp (2) for the vocabulary-parallel embedding; pad the vocabulary to 50258"),
+    (["--strategy", "ddp", "--ep", "4", "--moe-experts", "6", "--micro-batch", "2"], 4, "--ep 4: the 6 experts"),
+    (["--strategy", "ddp", "--ep", "2"], 2, "--ep 2 shards the experts of a mixture-of-experts model: add --moe"),
+    (["--strategy", "ddp", "--ep", "3", "--moe-experts", "6"], 2, "--ep 3 must divide the data-parallel degree dp = 2"),
+    (["--pp", "3"], 3, "--pp 3: the 4 layers must split evenly over the stages; choose --pp from [1, 2, 4]"),
+    (["--strategy", "3d", "--dp", "2", "--pp", "2", "--micro-batch", "4"], 4, "--pp 2: the 1F1B schedule needs at "
+     "least as many micro-batches per step as stages, got --global-batch / (--micro-batch x dp) = 8 / (4 x 2) = 1"),
+    (["--strategy", "ddp", "--cp", "2", "--seq-len", "30"], 2, "--cp 2: invalid context-parallel layout: ring "
+     "attention cuts the sequence into 4 equal chunks, so seq_len (30) must be divisible by 4"),
+    (["--strategy", "zero3", "--pp", "2"], 4, "--strategy zero3 with --pp 2: ZeRO-3 reduce-scatters"),
+    (["--strategy", "zero2", "--tp", "2"], 4, "--strategy zero2 with --tp 2: gathering the full model"),
+    (["--strategy", "fsdp", "--tp", "2"], 4, "--strategy fsdp with --tp 2: FSDP2 composes with DTensor"),
+    (["--strategy", "torch-ddp", "--pp", "2"], 4, "--strategy torch-ddp with --pp 2: PyTorch's DDP averages"),
+    (["--strategy", "zero1", "--ep", "2", *MOE], 2, "--strategy zero1 with --ep 2: would average (or shard)"),
+    (["--strategy", "ddp", "--cp", "2", "--pp", "2"], 4, "--cp 2 with --pp 2: the pipeline runtime passes"),
+    (["--global-batch", "7"], 1, "--global-batch (7) must be a multiple of --micro-batch x dp = 4 x 1 = 4; "
+     "e.g. --global-batch 4"),
+    ([], 2, "dp x cp = 2 x 1 replicas need a data-parallel wrapper to average their gradients: choose --strategy"),
+    (["--seq-len", "256"], 1, "--seq-len 256 exceeds the model's context of 128 tokens"),
+]  # fmt: skip
 
 
-def problems(*argv: str, world_size: int) -> str:
+@pytest.mark.parametrize(("argv", "world_size", "message"), IMPOSSIBLE, ids=[" ".join(a) for a, *_ in IMPOSSIBLE])
+def test_an_impossible_layout_is_refused_naming_the_flag(argv, world_size, message):
     with pytest.raises(ValueError) as error:
-        validate(build_parser().parse_args(list(argv)), world_size)
-    return str(error.value)
+        cli.layout(cli.build_parser().parse_args(argv), world_size)
+    assert message in str(error.value)
+    assert str(error.value).count("\n") == 1  # this problem only: no echo of it in other words
 
 
-def test_bad_layouts_of_the_new_strategies_fail_with_one_message_before_any_work(capsys):
+def test_every_problem_is_reported_at_once_before_any_work(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["--strategy", "zero2", "--bucket-cap-mb", "4", "--tp", "2"])
+        cli.main(["--strategy", "zero3", "--tp", "3", "--pp", "8", "--cp", "2", "--seq-len", "30", "--resume"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "--bucket-cap-mb sizes the gradient buckets of ddp and torch-ddp; drop it for --strategy zero2" in err
-    assert "--strategy zero2 has no TP dimension; leave --tp at 1" in err
-    message = problems("--strategy", "tp", "--tp", "2", world_size=4)
-    assert "--strategy tp splits every layer over all ranks and has no data-parallel dimension: set --tp to " \
-           "the 4 ranks started (got --tp 2, dp 2)" in message  # fmt: skip
-    message = problems("--strategy", "tp", "--tp", "3", world_size=3)
-    assert "--strategy tp --tp 3: invalid tensor-parallel layout: n_head (4) must be divisible by tp (3)" in message
-    assert "dp x tp x pp x cp" not in message  # 3 ranks for --tp 3: the layout itself is consistent
-    assert "--bucket-cap-mb must be > 0, got 0.0" in problems("--strategy", "ddp", "--bucket-cap-mb", "0", world_size=2)
-    assert "--strategy ddp has no PP dimension; leave --pp at 1" in problems("--strategy", "ddp", "--pp", "2",
-                                                                             world_size=2)  # fmt: skip
+    for fragment in ("--resume needs --checkpoint-dir", "dp x tp x pp x cp = 1 x 3 x 8 x 2 = 48 must equal the 1 "
+                     "ranks started", "n_head (4) must be divisible by tp (3)", "choose --pp from [1, 2, 4]",
+                     "seq_len (30) must be divisible by 4", "--strategy zero3 with --pp 8",
+                     "--strategy zero3 with --tp 3", "--cp 2 with --pp 8"):  # fmt: skip
+        assert fragment in err
 
 
-def test_bad_pipeline_layouts_fail_with_one_message_before_any_work(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--strategy", "3d", "--tp", "3", "--pp", "8", "--cp", "2"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "--strategy 3d has no CP dimension; leave --cp at 1" in err
-    assert "--strategy 3d --tp 3: invalid tensor-parallel layout: n_head (4) must be divisible by tp (3)" in err
-    assert "--strategy 3d --pp 8: the 4 layers of --model tiny must split evenly over the stages; choose --pp " \
-           "from [1, 2, 4]" in err  # fmt: skip
-    assert "dp x tp x pp x cp = 1 x 3 x 8 x 2 must equal the 1 ranks started" in err
-    message = problems("--strategy", "pp", "--pp", "2", world_size=4)
-    assert "--strategy pp runs one pipeline over all ranks and has no data-parallel dimension: set --pp to the 4 " \
-           "ranks started (got --pp 2, dp 2), or add data parallelism with --strategy 3d --dp 2 --pp 2" \
-           in message  # fmt: skip
-    assert "micro-batches" not in message  # counted for a consistent layout only
-    assert "--strategy pp needs --pp >= 2 stages" in problems("--strategy", "pp", world_size=2)
-    assert "--strategy pp has no TP dimension; leave --tp at 1" in problems("--strategy", "pp", "--pp", "2", "--tp",
-                                                                            "2", world_size=4)  # fmt: skip
-    assert "choose --pp from [2, 4]" in problems("--strategy", "pp", "--pp", "3", "--global-batch", "12", world_size=3)
-    message = problems("--strategy", "3d", "--dp", "2", "--pp", "2", "--global-batch", "8", world_size=4)
-    assert message.count("\n") == 1 and "--strategy 3d --pp 2: the 1F1B schedule needs at least as many " \
-        "micro-batches per step as stages, got --global-batch / (--micro-batch x dp) = 8 / (4 x 2) = 1; raise " \
-        "--global-batch to 16 or lower --micro-batch" in message  # fmt: skip
+def test_valid_layouts_give_the_degrees_and_micro_batches():
+    def dims(argv, world_size):
+        d = cli.layout(cli.build_parser().parse_args(argv), world_size)
+        return d.dp, d.tp, d.pp, d.cp, d.ep, d.data_parallel, d.micro_batches
 
-
-def test_valid_layouts_of_the_new_strategies_pass():
-    layout = validate(build_parser().parse_args(["--strategy", "tp", "--tp", "2", "--global-batch", "8"]), 2)
-    assert (layout.dp, layout.grad_accum) == (1, 2)  # tp: both ranks share each micro-batch of 4
-    layout = validate(build_parser().parse_args(["--strategy", "zero3", "--global-batch", "16"]), 2)
-    assert (layout.dp, layout.grad_accum) == (2, 2)
-    layout = validate(build_parser().parse_args(["--strategy", "pp", "--pp", "4", "--global-batch", "16"]), 4)
-    assert (layout.dp, layout.grad_accum) == (1, 4)  # 4 micro-batches of 4 through 4 stages
+    assert dims(["--strategy", "tp", "--tp", "2"], 2) == (1, 2, 1, 1, 1, "ddp", 2)  # both ranks share each micro-batch
+    assert dims(["--strategy", "zero3", "--global-batch", "16"], 2) == (2, 1, 1, 1, 1, "zero3", 2)
+    assert dims(["--strategy", "pp", "--pp", "4", "--global-batch", "16"], 4) == (1, 1, 4, 1, 1, "ddp", 4)
     argv = ["--strategy", "3d", "--tp", "2", "--pp", "2", "--micro-batch", "1", "--global-batch", "4"]
-    layout = validate(build_parser().parse_args(argv), 8)
-    assert (layout.dp, layout.grad_accum) == (2, 2)  # dp = the ranks left; each replica pipelines 2 micro-batches
+    assert dims(argv, 8) == (2, 2, 2, 1, 1, "ddp", 2)  # dp = the ranks left; each replica pipelines 2 micro-batches
+    assert dims(["--strategy", "ddp", "--ep", "2", "--micro-batch", "2", *MOE], 4) == (4, 1, 1, 1, 2, "ddp", 1)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from scalebook.cli import run_local
 from scalebook.cluster import LocalCluster
+from scalebook.train.cli import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = str(Path(sys.executable).parents[1])

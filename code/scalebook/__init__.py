@@ -12,9 +12,8 @@ positions   learned, sinusoidal and rotary position encodings
 embeddings  sentence embeddings with the packaged MiniLM encoder
 attention   scaled dot-product and multi-head attention from scratch, and their costs
 model       a GPT decoder from scratch, with Hugging Face GPT-2 weight import and export
-train       a single-device training loop; ``python -m scalebook.train`` is the command-line entry point
-cli         that entry point: every strategy, under torchrun or srun, with metrics and checkpoints
-checkpoint  atomic, per-rank checkpoints and resuming
+train       the one training loop (``train.loop``), ``python -m scalebook.train`` (``train.cli``: every layout,
+            under torchrun or srun, with metrics) and atomic per-rank checkpoints (``train.checkpoint``)
 cluster     a real two-node SLURM cluster on one machine, for tests and readers
 hf_train    the same model trained by Hugging Face's Trainer on a ``datasets`` text loader
 parity      loss-parity checks between parallel layouts
@@ -24,7 +23,8 @@ measure     measured counterparts of the accounting formulas (bytes held, step t
 accounting  closed-form parameter, memory, FLOP and time arithmetic (pure Python)
 configs     published model and hardware configurations
 comm        launching functions on N ranks, environment detection, collectives, traffic, cost model
-parallel    data, ZeRO, tensor, sequence, pipeline, context and expert parallelism; N-D meshes
+parallel    data, ZeRO, tensor, sequence, pipeline, context and expert parallelism; the layout (dims) and
+            parallelize(model, dims), which composes them
 planner     search for a parallel layout of a model on a cluster
 generate    greedy, temperature, top-k and top-p sampling
 plots       the book's matplotlib figures
@@ -39,8 +39,6 @@ __version__ = "0.1.0"
 _SUBMODULES = (
     "accounting",
     "attention",
-    "checkpoint",
-    "cli",
     "cluster",
     "configs",
     "data",

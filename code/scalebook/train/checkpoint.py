@@ -3,8 +3,10 @@
 Layout of a checkpoint directory::
 
     ckpt/
-      step_000040/rank0.pt   everything rank 0 needs to continue (model, optimizer, data stream, losses)
-      step_000040/rank1.pt   ... one file per rank that holds distinct state (sharded strategies)
+      step_000040/rank0.pt   everything rank 0 needs to continue (its model and optimizer state, the data
+                             stream, the losses), and the whole model gathered from every rank
+      step_000040/rank3.pt   ... one file per rank that holds state of its own (a shard, a stage, experts);
+                             replicas of the same state read the first replica's file
       latest                 the name of the newest complete step directory
 
 Every file is written to a temporary name and renamed into place (a rename is atomic on POSIX
@@ -12,10 +14,10 @@ filesystems), and ``latest`` is updated only after every rank's file exists, so 
 saving leaves the previous checkpoint intact and ``latest`` pointing at it. Loading uses
 ``torch.load(weights_only=True)``: a checkpoint holds tensors, numbers and strings, never code.
 
-A sharded checkpoint (FSDP2 splits every parameter along its first dimension over the ranks) is
-turned into one ordinary state dict by :func:`consolidate`, which concatenates the shards in rank
-order; ``python -m scalebook.checkpoint CKPT OUT.pt [--hf DIR]`` writes it for ``GPT.load_state_dict``
-and, with ``--hf``, as a Hugging Face ``GPT2LMHeadModel`` directory.
+Rank 0's file holds the single-process model whatever the layout (the training run gathers it from the
+shards, stages and experts when it saves), so :func:`consolidate` just reads it, and
+``python -m scalebook.train.checkpoint CKPT OUT.pt [--hf DIR]`` writes it for ``GPT.load_state_dict`` and, with
+``--hf``, as a Hugging Face ``GPT2LMHeadModel`` directory.
 
 Source: PyTorch documentation, "Saving and loading models" and ``torch.load(weights_only=True)``;
 POSIX ``rename(2)``.
@@ -23,6 +25,7 @@ POSIX ``rename(2)``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -89,24 +92,15 @@ def load_shard(root: str | os.PathLike, step: int, rank: int) -> dict:
 
 
 def consolidate(root: str | os.PathLike, step: int | None = None) -> tuple[dict, dict]:
-    """The full model state dict of checkpoint ``step`` (default: the latest), and its metadata.
-
-    Sharded entries are concatenated along dimension 0 in rank order; replicated entries are taken
-    from rank 0. The metadata has the model size, the step and the world size that wrote it.
-    """
+    """The full model state dict of checkpoint ``step`` (default: the latest), and its metadata: the model
+    size, its ``GPTConfig`` as a dict, the step and the world size that wrote it."""
     step = latest_step(root) if step is None else step
     if step is None:
         raise FileNotFoundError(f"no complete checkpoint under {root} (no 'latest' file)")
     first = load_shard(root, step, 0)
-    shards = (
-        [first] + [load_shard(root, step, r) for r in range(1, first["world_size"])] if first["sharded"] else [first]
-    )
-    state = {}
-    for name, tensor in first["model"].items():
-        full = torch.cat([s["model"][name] for s in shards]) if name in first["sharded"] else tensor
-        # DistributedDataParallel saves its wrapped model's names under "module."; the model itself has none.
-        state[name.removeprefix("module.")] = full
-    return state, {"model_size": first["model_size"], "step": step, "world_size": first["world_size"]}
+    meta = {"model_size": first["model_size"], "config": json.loads(first["config"]), "step": step,
+            "world_size": first["world_size"]}  # fmt: skip
+    return first["model"], meta
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     from scalebook.model import GPT, GPTConfig
 
     parser = argparse.ArgumentParser(
-        prog="python -m scalebook.checkpoint", description="Consolidate a (sharded) training checkpoint into one file."
+        prog="python -m scalebook.train.checkpoint",
+        description="Consolidate a (sharded) training checkpoint into one file.",
     )
     parser.add_argument("checkpoint_dir", help="the --checkpoint-dir of a training run")
     parser.add_argument("output", help="the single .pt file to write (a GPT state dict)")
@@ -123,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf", default=None, help="also save a Hugging Face GPT2LMHeadModel to this directory")
     args = parser.parse_args(argv)
     state, meta = consolidate(args.checkpoint_dir, args.step)
-    model = GPT(GPTConfig.named(meta["model_size"]))
+    model = GPT(GPTConfig(**meta["config"]))
     model.load_state_dict(state)  # strict: a missing or misshapen tensor fails here, before anything is written
     atomic_save(state, args.output)
     if args.hf:

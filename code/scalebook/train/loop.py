@@ -1,4 +1,4 @@
-"""A single-device training loop for the GPT of :mod:`scalebook.model`.
+"""The training loop, one for every layout, and its single-device entry point :func:`train`.
 
 One optimizer step = ``grad_accum`` micro-batches of ``batch_size`` sequences of ``seq_len`` tokens.
 Each micro-batch loss is divided by ``grad_accum`` before ``backward`` so the accumulated gradient is the
@@ -17,12 +17,15 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
-from .data import random_batches, sequential_batches
+from scalebook.data import get_batch, sequential_batches
+from scalebook.parallel.dims import ParallelDims
+from scalebook.parallel.parallelize import ParallelModel
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -88,14 +91,16 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two parameter groups: weight decay on matrices (dim >= 2), none on biases and LayerNorm gains."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay applies to matrices (dim >= 2), not to biases and LayerNorm gains."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    groups = weight_decay_groups(model, cfg.weight_decay)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False)
 
 
@@ -106,6 +111,43 @@ def autocast_context(precision: str, device_type: str = "cpu"):
     return contextlib.nullcontext()
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one optimizer step of :func:`training_steps` measured."""
+
+    step: int  # steps done, counting this one
+    loss: float  # mean loss over the step's global batch
+    grad_norm: float  # global L2 norm of the step's gradient, before clipping
+    lr: float
+    step_time: float  # wall-clock seconds
+
+
+def training_steps(
+    model: ParallelModel, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], cfg: TrainConfig,
+    *, start: int = 0,
+) -> Iterator[StepRecord]:  # fmt: skip
+    """The training loop: optimizer steps ``start`` to ``cfg.steps - 1`` of ``model``, yielding after each.
+
+    ``next_batch()`` gives this rank's share of the step's batch; ``model`` (see
+    :func:`scalebook.parallel.parallelize.parallelize`) knows how its ranks split it. The same loop trains one
+    process and every parallel layout, and never asks which: logging, checkpoints and progress bars are the
+    caller's, between the steps.
+    """
+    clip = math.inf if cfg.grad_clip is None else cfg.grad_clip  # min(1, inf / norm) = 1: no clipping
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        for group in model.optimizer.param_groups:
+            group["lr"] = lr
+        model.zero_grad()
+        x, y = next_batch()
+        with autocast_context(cfg.precision, model.device.type):
+            loss = model.forward_backward(x.to(model.device), y.to(model.device))
+        grad_norm = model.clip_grad_norm_(clip)
+        model.step()
+        yield StepRecord(step + 1, loss.item(), grad_norm.item(), lr, time.perf_counter() - t0)
+
+
 def train(
     model: torch.nn.Module,
     tokens: torch.Tensor,
@@ -114,44 +156,30 @@ def train(
     optimizer: torch.optim.Optimizer | None = None,
     description: str = "training",
 ) -> TrainResult:
-    """Train ``model`` in place on random windows of ``tokens`` and return the per-step record."""
+    """Train ``model`` in place on one process, on random windows of ``tokens``; return the per-step record."""
     if hasattr(model, "config") and cfg.seq_len > model.config.block_size:
         raise ValueError(
             f"seq_len {cfg.seq_len} exceeds the model's block_size {model.config.block_size}; lower seq_len"
         )
     torch.manual_seed(cfg.seed)  # dropout masks
-    device_type = next(model.parameters()).device.type
     model.train()
     if hasattr(model, "gradient_checkpointing"):
         model.gradient_checkpointing = cfg.activation_checkpointing
     optimizer = optimizer or make_optimizer(model, cfg)
+    one_process = ParallelModel(model, optimizer, ParallelDims(1, micro_batches=cfg.grad_accum))
     # Draw the whole step's batch at once and split it, so the data of a step does not depend on
     # how it is cut into micro-batches: grad_accum=2 with batch_size=4 sees what batch_size=8 sees.
-    batches = random_batches(tokens, cfg.batch_size * cfg.grad_accum, cfg.seq_len, seed=cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)
     result = TrainResult(tokens_per_step=cfg.tokens_per_step, optimizer=optimizer)
-
-    bar = tqdm(range(cfg.steps), desc=description, disable=not cfg.progress, unit="step")
-    for step in bar:
-        start = time.perf_counter()
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = 0.0
-        x_step, y_step = next(batches)
-        for x, y in zip(x_step.chunk(cfg.grad_accum), y_step.chunk(cfg.grad_accum), strict=True):
-            with autocast_context(cfg.precision, device_type):
-                _, loss = model(x, y)
-            # Divide so the accumulated gradient is that of the mean over all micro-batches.
-            (loss / cfg.grad_accum).backward()
-            step_loss += loss.item() / cfg.grad_accum
-        if cfg.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        result.step_times.append(time.perf_counter() - start)
-        result.losses.append(step_loss)
-        result.lrs.append(lr)
-        bar.set_postfix(loss=f"{step_loss:.3f}", refresh=False)
+    bar = tqdm(total=cfg.steps, desc=description, disable=not cfg.progress, unit="step")
+    for record in training_steps(
+        one_process, lambda: get_batch(tokens, cfg.batch_size * cfg.grad_accum, cfg.seq_len, generator), cfg
+    ):
+        result.step_times.append(record.step_time)
+        result.losses.append(record.loss)
+        result.lrs.append(record.lr)
+        bar.update()
+        bar.set_postfix(loss=f"{record.loss:.3f}", refresh=False)
     bar.close()
     return result
 
@@ -170,11 +198,3 @@ def evaluate(
         total += loss.item() * y.numel()
         count += y.numel()
     return total / count
-
-
-if __name__ == "__main__":  # python -m scalebook.train: the command-line entry point lives in scalebook.cli
-    import sys
-
-    from scalebook.cli import main
-
-    sys.exit(main())

@@ -1,0 +1,390 @@
+"""``python -m scalebook.train``: one training entry point for a laptop, ``torchrun`` and ``srun``.
+
+The same command trains on one CPU process, on N local ranks under ``torchrun``, or on a GPU cluster
+under ``srun`` (SLURM's variables are read when torchrun's are absent): gloo on CPUs, NCCL on GPUs,
+chosen by :func:`scalebook.comm.launch.backend_and_device`. Every rank draws the same global batch of
+``--global-batch`` sequences and keeps its data-parallel slice, cut into micro-batches of
+``--micro-batch``; so the logged loss (the mean over the global batch) is the same whatever the layout,
+which is how a run on 4 ranks is checked against one on a single process.
+
+The layout. ``--tp``, ``--pp``, ``--cp`` and ``--ep`` are the degrees of tensor (Ch. 12), pipeline (Ch. 13, a
+1F1B schedule over the step's micro-batches), context (Ch. 14, ring attention over a zig-zag split) and
+expert parallelism (Ch. 14, with ``--moe-experts``); the ranks left over are data-parallel replicas
+(``--dp``), kept in step by ``--strategy``: PyTorch's ``torch-ddp`` or ``fsdp`` (FSDP2), or the book's ``ddp``
+(Ch. 10's overlapped buckets), ``zero1`` (that DDP and Ch. 11's sharded optimizer), ``zero2`` or ``zero3``
+(Ch. 11's ``fully_shard``). ``single`` is one replica; ``tp``, ``pp`` and ``3d`` name Chapters 12-14's layouts
+and average their replicas with the book's ``ddp``. :class:`scalebook.parallel.dims.ParallelDims` checks the
+layout before any rank starts work, :func:`scalebook.parallel.parallelize.parallelize` builds it, and the
+loop of :mod:`scalebook.train.loop` trains it without knowing which it is.
+
+Every layout is the same computation as ``single`` up to float32 rounding, so the logged losses and
+gradient norms agree to about 1e-6 relative. ``grad_norm`` is the global L2 norm of the step's gradient
+before clipping: losses after AdamW barely move when every gradient is scaled by a constant (Adam divides
+the scale out), the gradient norm moves by that factor, from the first step.
+
+Rank 0 prints one JSON object per logged step to stdout (``step``, ``loss``, ``grad_norm``, ``lr``,
+``world_size``, ``tokens_per_s``, ``step_time``, ``state_bytes``, and ``mfu`` when ``--peak-flops`` is given)
+and appends the same lines to ``--metrics`` if set; a tqdm bar goes to stderr. With ``--checkpoint-dir``
+the run saves every ``--checkpoint-every`` steps (atomically, see :mod:`scalebook.train.checkpoint`): each
+rank whose state is its own writes its file, and rank 0's also holds the whole model gathered from the
+shards, stages and experts; ``--resume`` continues from the newest complete checkpoint with bit-identical
+losses on CPU. The checkpoint records the run's arguments (``"args"``) but the resume does not compare
+them with the new ones: resuming with another ``--global-batch`` or ``--steps`` runs a different experiment.
+
+Source: PyTorch documentation, "torchrun (Elastic Launch)", "DistributedDataParallel" and
+"torch.distributed.fsdp.fully_shard"; SLURM documentation, "srun"; torchtitan ``train.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# --strategy -> the data-parallel wrapper of ParallelDims; tp, pp and 3d average their replicas with the book's DDP.
+STRATEGIES = {"single": None, "torch-ddp": "torch-ddp", "fsdp": "fsdp", "ddp": "ddp", "zero1": "zero1",
+              "zero2": "zero2", "zero3": "zero3", "tp": "ddp", "pp": "ddp", "3d": "ddp"}  # fmt: skip
+SIZES = ("tiny", "small", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m scalebook.train",
+        description="Train the book's GPT in any parallel layout, on CPUs (gloo) or GPUs (NCCL). "
+        "Run directly for one process, or under torchrun / srun for several ranks.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("layout (dp x tp x pp x cp = the number of ranks)")
+    g.add_argument(
+        "--strategy",
+        choices=tuple(STRATEGIES),
+        default="single",
+        help="how the data-parallel replicas keep in step: PyTorch's torch-ddp / fsdp, or the book's ddp (Ch. 10), "
+        "zero1 / zero2 / zero3 (Ch. 11); single = one replica; tp, pp, 3d (Ch. 12-14) = the book's ddp",
+    )
+    g.add_argument(
+        "--dp",
+        type=int,
+        default=None,
+        help="data-parallel degree, the number of replicas (default: the ranks tp x pp x cp leave)",
+    )
+    g.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel degree (must divide the heads, the width and the vocabulary)"
+    )
+    g.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline-parallel degree, the number of 1F1B stages; the layers must split evenly over "
+        "the stages, and each step's micro-batches, global-batch / (micro-batch x dp), must be >= --pp",
+    )
+    g.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: ring attention over a zig-zag split of each sequence into "
+        "2 x cp chunks (--seq-len must divide evenly)",
+    )
+    g.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel degree: the experts of --moe-experts sharded over ep of the dp replicas",
+    )
+    g.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="gradient bucket size in MiB for ddp, zero1 and torch-ddp; None means PyTorch's 25",
+    )
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", choices=SIZES, default="tiny", help="model size (GPTConfig.named)")
+    g.add_argument("--moe-experts", type=int, default=0, help="experts per mixture-of-experts MLP (0: the dense MLP)")
+    g.add_argument("--moe-top-k", type=int, default=2, help="experts each token is routed to")
+    g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    g.add_argument("--data", default=None, help="a text file or folder (default: the embedded corpus)")
+    g = p.add_argument_group("batch and schedule")
+    g.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward on one rank")
+    g.add_argument(
+        "--global-batch",
+        type=int,
+        default=8,
+        help="sequences per optimizer step over all ranks = micro-batch x dp x micro-batches per step "
+        "(under --pp the micro-batches are the pipeline's)",
+    )
+    g.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
+    g.add_argument("--warmup-steps", type=int, default=5, help="linear warm-up steps")
+    g.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16 = autocast mixed precision")
+    g.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the data order")
+    g = p.add_argument_group("checkpoints and logging")
+    g.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (none are written if unset)")
+    g.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    g.add_argument("--log-every", type=int, default=1, help="steps between metric lines")
+    g.add_argument("--metrics", default=None, help="also append the JSON metric lines to this file")
+    g.add_argument("--peak-flops", type=float, default=None, help="per-device peak FLOP/s, to report MFU")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--simulate-failure-at",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="testing aid: the last rank exits with an error before STEP, on a job's first attempt "
+        "only (TORCHELASTIC_RESTART_COUNT unset or 0), to exercise restarts and --resume",
+    )
+    return p  # fmt: skip
+
+
+def model_config(args: argparse.Namespace):
+    """The GPTConfig of ``--model``, with ``--moe-experts`` experts per MLP when asked."""
+    from scalebook.model import GPTConfig
+
+    moe = {"n_experts": args.moe_experts, "expert_top_k": args.moe_top_k} if args.moe_experts else {}
+    return GPTConfig.named(args.model, **moe)
+
+
+def layout(args: argparse.Namespace, world_size: int):
+    """The run's :class:`~scalebook.parallel.dims.ParallelDims`, or one ValueError listing every problem with
+    the arguments, before any process group exists."""
+    from scalebook.parallel.dims import ParallelDims
+
+    problems = []
+    for name in ("seq_len", "micro_batch", "global_batch", "steps", "checkpoint_every", "log_every"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup_steps < 0:
+        problems.append(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if not 0 < args.min_lr <= args.lr:
+        problems.append(f"need 0 < --min-lr <= --lr, got {args.min_lr} and {args.lr}")
+    if args.resume and not args.checkpoint_dir:
+        problems.append("--resume needs --checkpoint-dir")
+    if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
+        problems.append(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
+    try:
+        config = model_config(args)
+    except ValueError as error:
+        problems.append(f"--moe-experts {args.moe_experts} --moe-top-k {args.moe_top_k}: {error}")
+        config = model_config(argparse.Namespace(**{**vars(args), "moe_experts": 0}))
+    dims = None
+    if all(getattr(args, name) >= 1 for name in ("seq_len", "micro_batch", "global_batch")):
+        try:
+            dims = ParallelDims.build(world_size, config, seq_len=args.seq_len, global_batch=args.global_batch,
+                                      micro_batch=args.micro_batch, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp,
+                                      ep=args.ep, data_parallel=STRATEGIES[args.strategy])  # fmt: skip
+        except ValueError as error:
+            problems += str(error).splitlines()[1:]
+    if problems:
+        raise ValueError("invalid arguments:\n  " + "\n  ".join(p.strip() for p in problems))
+    return dims
+
+
+class _Log:
+    """Rank 0's metric lines (stdout and ``--metrics``) and progress bar; silent on the other ranks."""
+
+    def __init__(self, args: argparse.Namespace, dims, rank: int, start: int):
+        self.args, self.dims, self.on = args, dims, rank == 0
+        self.file = open(args.metrics, "a") if args.metrics and self.on else None  # noqa: SIM115
+        self.bar = None
+        if self.on and not args.no_progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=args.steps, initial=start, desc=f"{args.strategy} x{dims.world_size}", unit="step",
+                            file=sys.stderr)  # fmt: skip
+        self.flops_per_token = None
+        if args.peak_flops:
+            from scalebook import accounting, configs
+
+            spec = configs.ModelConfig.from_gpt_config(model_config(args), name=args.model)
+            self.flops_per_token = accounting.flops_per_token(spec)
+
+    def __call__(self, record, held_bytes: int) -> None:
+        if not self.on:
+            return
+        args = self.args
+        if record.step % args.log_every == 0 or record.step == args.steps:
+            tokens_per_s = args.global_batch * args.seq_len / record.step_time
+            line = {"step": record.step, "loss": record.loss, "grad_norm": record.grad_norm, "lr": record.lr,
+                    "world_size": self.dims.world_size, "step_time": record.step_time, "tokens_per_s": tokens_per_s,
+                    "state_bytes": held_bytes}  # fmt: skip
+            if self.flops_per_token:
+                line["mfu"] = self.flops_per_token * tokens_per_s / (self.dims.world_size * args.peak_flops)
+            text = json.dumps(line)
+            print(text, flush=True)
+            if self.file:
+                self.file.write(text + "\n")
+                self.file.flush()
+        if self.bar:
+            self.bar.update()
+            self.bar.set_postfix(loss=f"{record.loss:.3f}", refresh=False)
+
+    def close(self) -> None:
+        for handle in (self.bar, self.file):
+            if handle:
+                handle.close()
+
+
+def _save(args, model, step: int, generator: torch.Generator, losses: list[float]) -> None:
+    """One checkpoint: every rank holding its own state writes its file; rank 0's also holds the whole model
+    (gathered: a collective); ``latest`` moves once every file is on disk."""
+    from scalebook.train import checkpoint
+
+    rank = model.mesh.rank if model.mesh else 0
+    full = model.full_state_dict()
+    if model.checkpoint_rank == rank:
+        state = {"local": model.state_dict(), "generator": generator.get_state(), "step": step,
+                 "losses": torch.tensor(losses, dtype=torch.float64), "world_size": model.dims.world_size,
+                 "model_size": args.model, "config": json.dumps(model_config(args).to_dict()),
+                 "args": json.dumps(vars(args))}  # fmt: skip
+        if rank == 0:
+            state["model"] = full
+        checkpoint.save_shard(args.checkpoint_dir, step, rank, state)
+    if model.dims.world_size > 1:
+        dist.barrier()  # every file is on disk before `latest` moves
+    if rank == 0:
+        checkpoint.mark_complete(args.checkpoint_dir, step)
+
+
+def _resume(args, model, generator: torch.Generator) -> tuple[int, list[float]]:
+    """The step to start from and the losses so far: 0 and none, or the newest checkpoint's, loaded."""
+    from scalebook.train import checkpoint
+
+    step = checkpoint.latest_step(args.checkpoint_dir) if args.resume else None
+    if step is None:
+        return 0, []
+    state = checkpoint.load_shard(args.checkpoint_dir, step, model.checkpoint_rank)
+    model.load_state_dict(state["local"])
+    generator.set_state(state["generator"])
+    return step, state["losses"].tolist()
+
+
+def _fail_if_asked(args, step: int, rank: int, world_size: int) -> None:
+    """``--simulate-failure-at``: the last rank dies before step ``step + 1`` on the job's first attempt."""
+    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    if args.simulate_failure_at == step + 1 and first_attempt and rank == world_size - 1:
+        print(f"rank {rank}: simulated failure before step {step + 1}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def run(args: argparse.Namespace) -> list:
+    """Train as ``args`` say on this process's rank; return its :class:`~scalebook.train.loop.StepRecord` list
+    (rank 0 logs them). Joins the launcher's process group, or starts one under torchrun / srun."""
+    from scalebook import data
+    from scalebook.comm import backend_and_device, detect_env, init_from_env
+    from scalebook.model import GPT
+    from scalebook.parallel.parallelize import parallelize
+    from scalebook.train.loop import TrainConfig, training_steps, weight_decay_groups
+
+    env = detect_env()
+    dims = layout(args, env.world_size)
+    owns_group = env.world_size > 1 and not dist.is_initialized()
+    if owns_group:
+        init_from_env()
+    _, device = backend_and_device(env.local_rank)
+    torch.manual_seed(args.seed)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.micro_batch, grad_accum=dims.micro_batches,
+                      seq_len=args.seq_len, lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps,
+                      precision=args.precision, seed=args.seed, progress=False)  # fmt: skip
+    model = parallelize(GPT(model_config(args)).to(device), dims,
+                        param_groups=lambda m: weight_decay_groups(m, cfg.weight_decay),
+                        bucket_cap_mb=args.bucket_cap_mb, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                        foreach=False)  # fmt: skip
+    tokens = data.tokenize(data.load_text(args.data))
+    generator = torch.Generator().manual_seed(args.seed)
+    start, losses = _resume(args, model, generator)
+    records, log = [], _Log(args, dims, env.rank, start)
+    per_replica = args.micro_batch * dims.micro_batches
+
+    def next_batch():  # every rank draws the global batch and keeps its replica's rows
+        return data.get_batch(tokens, per_replica, args.seq_len, generator, rank=model.coords["dp"], world_size=dims.dp)
+
+    try:
+        _fail_if_asked(args, start, env.rank, env.world_size)
+        model.model.train()
+        for record in training_steps(model, next_batch, cfg, start=start):
+            records.append(record)
+            losses.append(record.loss)
+            log(record, model.held_bytes())
+            if args.checkpoint_dir and (record.step % args.checkpoint_every == 0 or record.step == args.steps):
+                _save(args, model, record.step, generator, losses)
+            _fail_if_asked(args, record.step, env.rank, env.world_size)
+    finally:
+        log.close()
+        if owns_group and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    return records
+
+
+@dataclass
+class LocalRun:
+    """The outcome of :func:`run_local`: exit code, the metric records rank 0 printed, and stderr."""
+
+    returncode: int
+    records: list[dict]
+    stderr: str
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """Step -> loss; a step run twice (before a crash and after a resume) keeps its last value."""
+        return {r["step"]: r["loss"] for r in self.records}
+
+    @property
+    def grad_norms(self) -> dict[int, float]:
+        """Step -> global gradient norm before clipping, like :attr:`losses`."""
+        return {r["step"]: r["grad_norm"] for r in self.records}
+
+
+def run_local(
+    train_args: list[str], *, nproc: int = 1, torchrun_args: tuple[str, ...] = (), timeout: float = 300.0
+) -> LocalRun:
+    """Run ``python -m scalebook.train`` in a subprocess: directly, or under ``torchrun`` with ``nproc`` ranks.
+
+    For notebooks and tests: the ranks get one thread each, and the JSON metric lines are parsed. After
+    ``timeout`` seconds the whole process group (launcher and ranks) is killed and TimeoutExpired raised,
+    so no orphaned rank keeps running.
+    """
+    import signal
+    import subprocess
+
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    python = sys.executable
+    launcher = [python, "-m", "scalebook.train"] if nproc == 1 and not torchrun_args else [
+        python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *torchrun_args,
+        "-m", "scalebook.train"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    with subprocess.Popen([*launcher, *train_args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # SIGTERM lets torchrun stop its ranks (they run in sessions of their own); then make sure.
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+            raise
+    records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return LocalRun(proc.returncode, records, stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from scalebook.comm import detect_env
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        layout(args, detect_env().world_size)
+    except ValueError as error:
+        parser.error(str(error))
+    run(args)
+    return 0
