@@ -24,6 +24,7 @@ from scalebook.experiments.tensor import (
     tensor_parallel_study,
 )
 from scalebook.model import GPT, GPTConfig
+from scalebook.parallel import pipeline
 from scalebook.parallel.sequence import all_reduce_sequence_parallel_grads
 from scalebook.parallel.tensor import (
     apply_tensor_parallel,
@@ -126,33 +127,37 @@ def adamw_training_and_state(group) -> dict:
     return out
 
 
-def pipeline_stage(group, sp: bool) -> dict:
-    """The last stage of a 2-stage pipeline (no ``wte``, blocks 2 and 3, the head), made tensor-parallel: its
-    head holds the vocabulary shard itself. Fed the first stage's hidden states, it gives the unsharded
-    model's loss and gradients; names and values of its full state are those of the stage it came from."""
+def two_pipeline_stages(group, sp: bool) -> dict:
+    """The two stages of a 2-stage pipeline (Chapter 13's ``pipeline_stage``: the first without ``ln_f`` and
+    head, the last without ``wte``, whose head keeps the tied matrix), each made tensor-parallel and run one
+    after the other: the first stage's hidden states, the loss and every gradient are the unsharded GPT's
+    (the tied matrix's as the sum of its two copies' gradients, as the pipeline syncs them), and the two
+    stages' full states together are its state_dict."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    reference, (idx, targets) = _reference(), _batch()
-    hidden = reference.blocks[1](reference.blocks[0](reference.embed(idx))).detach()
-    stage = copy.deepcopy(reference)
-    stage.wte, stage.blocks = None, stage.blocks[2:]
-    source = {n: v.clone() for n, v in stage.state_dict().items()}
-    loss, ref_grads = _loss_and_grads(stage, (hidden, targets))
-    stage.zero_grad(set_to_none=True)
-    apply_tensor_parallel(stage, group, sequence_parallel=sp)
-    # Under SP a stage's input and output hold this rank's T/t tokens of the sequence.
-    stage_input = hidden.chunk(tp, dim=1)[rank] if sp else hidden
-    logits, tp_loss = stage(stage_input, targets)
+    reference, batch = _reference(), _batch()
+    hidden = pipeline.pipeline_stage(copy.deepcopy(reference), 0, 2)(batch[0]).detach()
+    first, last = (pipeline.pipeline_stage(copy.deepcopy(reference), stage, 2) for stage in (0, 1))
+    loss, ref_grads = _loss_and_grads(reference, batch)
+    for stage in (first, last):
+        apply_tensor_parallel(stage, group, sequence_parallel=sp)
+    x = first(batch[0])
+    logits, tp_loss = last(x, batch[1])
     tp_loss.backward()
     if sp:
-        all_reduce_sequence_parallel_grads(stage, group)
-    state = full_state_dict(stage, group)
+        for stage in (first, last):
+            all_reduce_sequence_parallel_grads(stage, group)
+    grads = full_gradients(first, group) | full_gradients(last, group)
+    grads["wte.weight"] = grads["wte.weight"] + grads.pop("lm_head.weight")
+    state = full_state_dict(first, group) | full_state_dict(last, group)
+    # Under SP a stage's output holds this rank's T/t tokens of the sequence.
     return {
-        "head": type(stage.lm_head).__name__,
+        "head": type(last.lm_head).__name__,
+        "hidden_error": (x - (hidden.chunk(tp, dim=1)[rank] if sp else hidden)).abs().max().item(),
         "logits_shape": tuple(logits.shape),
         "loss_error": abs(tp_loss.item() - loss),
-        "grad_error": max_relative_difference(full_gradients(stage, group), ref_grads),
-        "state_names": list(state) == list(source),
-        "state_error": max((state[n] - v).abs().max().item() for n, v in source.items()),
+        "grad_error": max_relative_difference(grads, ref_grads),
+        "state_names": sorted(state) == sorted(reference.state_dict()),
+        "state_error": max((state[n] - v).abs().max().item() for n, v in reference.state_dict().items()),
     }
 
 
@@ -176,7 +181,7 @@ def every_measurement() -> dict:
         "study": study,
         "dtensor": {tp: compare_with_unsharded_and_dtensor(mesh) for tp, mesh in meshes.items()},
         "adamw": adamw_training_and_state(pairs),
-        "stage": {sp: pipeline_stage(pairs, sp) for sp in (False, True)},
+        "stages": {sp: two_pipeline_stages(pairs, sp) for sp in (False, True)},
         "refused": refused_layout(meshes[4].get_group()),
     }
 
@@ -241,12 +246,13 @@ def test_adamw_on_the_shards_trains_like_one_process(measured, sp):
 
 
 @pytest.mark.parametrize("sp", [False, True])
-def test_last_pipeline_stage_without_embedding_runs_tensor_parallel(measured, sp):
+def test_pipeline_stages_run_tensor_parallel_like_the_unsharded_gpt(measured, sp):
     for rank in range(4):
-        r = measured[rank]["stage"][sp]
-        assert r["head"] == "ColumnParallelLinear"
+        r = measured[rank]["stages"][sp]
+        assert r["head"] == "ColumnParallelLinear"  # on the last stage, holding the vocabulary shard without wte
         assert r["logits_shape"] == (MICRO_BATCH, SEQ_LEN, 128)
-        assert r["loss_error"] < TOLERANCE and r["grad_error"] < RELATIVE_TOLERANCE, r
+        assert r["hidden_error"] < TOLERANCE and r["loss_error"] < TOLERANCE, r
+        assert r["grad_error"] < RELATIVE_TOLERANCE, r
         assert r["state_names"] and r["state_error"] == 0.0
 
 
