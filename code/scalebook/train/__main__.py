@@ -4,4 +4,5 @@ import sys
 
 from scalebook.train.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # imported (say by a test that imports every module), it runs nothing
+    sys.exit(main())
