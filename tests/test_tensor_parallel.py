@@ -371,6 +371,7 @@ def test_qkv_shard_takes_whole_heads_of_q_k_and_v():
         ({}, 4, True, 30, r"seq_len \(30\) must be divisible by tp \(4\) under sequence parallelism"),
         ({}, 2, True, None, r"pass seq_len"),
         ({"dropout": 0.1}, 2, False, None, r"dropout must be 0"),
+        ({"n_experts": 4}, 2, False, None, r"n_experts \(4\) must be 0.*expert parallelism"),
         ({}, 2, False, 256, r"seq_len \(256\) exceeds block_size \(128\)"),
         ({}, 0, False, None, r"tp must be a positive integer"),
     ],

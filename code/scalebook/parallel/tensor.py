@@ -104,6 +104,11 @@ def validate_tensor_parallel(
             f"vocab_size ({config.vocab_size}) must be divisible by tp ({tp}) for the vocabulary-parallel "
             f"embedding; pad the vocabulary to {-(-config.vocab_size // tp) * tp}"
         )
+    if config.n_experts:
+        problems.append(
+            f"n_experts ({config.n_experts}) must be 0: tensor parallelism here splits the dense MLP; spread the "
+            "experts over ranks with expert parallelism (scalebook.parallel.expert) instead"
+        )
     if config.dropout:
         problems.append(
             f"dropout must be 0 (got {config.dropout}): tensor-parallel dropout needs a random stream per "
