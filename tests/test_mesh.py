@@ -1,8 +1,9 @@
-"""The N-D mesh: coordinates with TP innermost, validated layouts, and DP x TP x PP training equal to one process."""
+"""The 3-D run: coordinates with TP innermost, refused layouts, and DP x TP x PP training equal to one process."""
 
 import pytest
 
-from scalebook.parallel import mesh
+from scalebook.experiments import mesh
+from scalebook.parallel.dims import ParallelDims
 
 # Float32 sums in another order (all-reduces, sharded matmuls): ~5e-7 here on losses of ~5 and ~1e-7 on
 # gradients of up to ~0.6, so 1e-5 is a safe bound for both.
@@ -10,32 +11,27 @@ TOLERANCE = 1e-5
 
 
 def test_tp_is_innermost_and_pp_outermost_like_megatron():
-    dims = mesh.ParallelDims(16, dp=2, tp=2, pp=2, cp=2)
-    # Rank 5 = 0b0101: tp 1, cp 0, dp 1, pp 0.
-    assert dims.coordinates(5) == {"pp": 0, "dp": 1, "cp": 0, "tp": 1, "ep": 0}
+    dims = ParallelDims(16, dp=2, tp=2, pp=4)
+    # Rank 6 = 0b0110: tp 0, dp 1, pp 1.
+    assert dims.coordinates(6) == {"pp": 1, "dp": 1, "cp": 0, "tp": 0, "ep": 0}
     assert all(dims.rank_of(**{k: v for k, v in dims.coordinates(r).items() if k != "ep"}) == r for r in range(16))
     assert dims.group_ranks("tp")[:2] == [[0, 1], [2, 3]]
-    assert dims.group_ranks("pp")[0] == [0, 8]
+    # A pipeline's stages are ranks 4 apart: the runtime addresses them by their rank in the pp group.
+    assert dims.group_ranks("pp")[0] == [0, 4, 8, 12]
     assert sorted(r for g in dims.group_ranks("dp") for r in g) == list(range(16))
 
 
-def test_expert_groups_are_blocks_of_data_parallel_ranks():
-    dims = mesh.ParallelDims(8, dp=4, tp=2, ep=2)
-    assert dims.group_ranks("dp")[0] == [0, 2, 4, 6]
-    assert dims.group_ranks("ep")[:2] == [[0, 2], [4, 6]]
+def test_3d_layouts_that_cannot_run_raise_one_error_before_any_process(monkeypatch):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a process was started for an invalid layout")
 
-
-def test_bad_layouts_raise_one_error_naming_the_fix():
-    with pytest.raises(ValueError, match="must equal the world size 8"):
-        mesh.ParallelDims(8, dp=2, tp=2, pp=1)
-    with pytest.raises(ValueError, match="dp=2"):
-        mesh.ParallelDims(8, dp=1, tp=2, pp=2)
-    with pytest.raises(ValueError, match="ep \\(3\\) must divide dp"):
-        mesh.ParallelDims(4, dp=4, ep=3)
-    with pytest.raises(ValueError, match="integer >= 1"):
-        mesh.ParallelDims(4, dp=0, tp=4)
-    with pytest.raises(ValueError, match="n_layer"):
-        mesh.check_3d(1, 1, 3, batch_size=8, microbatches=2, size="tiny", seq_len=32)
+    monkeypatch.setattr(mesh, "launch", no_launch)
+    with pytest.raises(ValueError, match=r"n_layer \(4\) must be divisible by pp \(3\)"):
+        mesh.compare_3d_with_single_process(1, 1, 3)
+    with pytest.raises(ValueError, match=r"batch_size \(8\) must be divisible by dp \* microbatches \(16\)"):
+        mesh.compare_3d_with_single_process(2, 1, 2, microbatches=8)
+    with pytest.raises(ValueError, match="n_head"):  # tiny has 4 heads: tp=3 cannot split them
+        mesh.compare_3d_with_single_process(1, 3, 1)
 
 
 def test_dp2_tp2_pp2_on_8_ranks_trains_like_one_process():
