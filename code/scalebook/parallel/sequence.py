@@ -42,6 +42,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = [
+    "SequenceShardedEmbedding",
+    "all_reduce_sequence_parallel_grads",
+    "gather_from_sequence_parallel_region",
+    "gather_sequence_at_input",
+    "mark_sequence_parallel",
+    "reduce_scatter_to_sequence_parallel_region",
+    "sequence_shard_saving_linear",
+]
+
 SEQUENCE_DIM = 1
 
 
