@@ -44,7 +44,7 @@ def _a100_bf16() -> float:
 
 def _tp_layer_share(tp: int, link: str, alpha: float) -> float:
     """Chapter 12's communication share of one Llama 2 70B layer (s = 4096, H100 at 50 % MFU)."""
-    from scalebook.parallel import tensor
+    from scalebook.experiments import tensor
 
     times = tensor.tensor_parallel_layer_times(
         configs.get_model("llama-2-70b"), tp, seq_len=4096, micro_batch=1, peak_flops=_h100_bf16(), mfu=0.5,
