@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: book test lab bench clean venv notebooks train cluster-up cluster-down
+.PHONY: book test check lab bench clean venv notebooks train cluster-up cluster-down
 
 venv: $(STAMP)
 
@@ -32,6 +32,12 @@ book: $(STAMP)
 ## committed outputs, so nothing executes twice) and the browser checks
 test: $(STAMP)
 	$(BIN)/python -m pytest notebooks tests --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+
+## check: the fast lane (about 2-3 min): ruff, then the unit and small distributed tests; leaves out what
+## tests/conftest.py marks slow (notebooks, the book build, the browser, SLURM, CLI runs, launches of 4+ ranks)
+check: $(STAMP)
+	$(BIN)/ruff check code tests bench book/_ext
+	$(BIN)/python -m pytest tests -m "not slow"
 
 ## notebooks: re-execute every chapter and save it with its outputs (commit the result)
 notebooks: $(STAMP)

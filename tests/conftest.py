@@ -1,4 +1,8 @@
-"""Shared fixtures of tests/test_book.py and tests/test_browser.py: the offline book build."""
+"""Shared fixtures of tests/test_book.py and tests/test_browser.py (the offline book build), and the `slow` marks.
+
+`make check` runs ``pytest tests -m "not slow"``; `make test` runs everything. What is slow is decided here, in
+one place, so that test files need no marks of their own (see ``pytest_collection_modifyitems``).
+"""
 
 from __future__ import annotations
 
@@ -63,12 +67,23 @@ def _build_book(src: Path, out: Path, config_overrides: dict | None = None) -> P
     config_path = out / "_config.offline.yml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf8")
 
-    cmd = [str(JUPYTER_BOOK), "build", str(src), "--config", str(config_path),
-           "--path-output", str(out), "-W", "-n", "--keep-going"]
+    cmd = [
+        str(JUPYTER_BOOK),
+        "build",
+        str(src),
+        "--config",
+        str(config_path),
+        "--path-output",
+        str(out),
+        "-W",
+        "-n",
+        "--keep-going",
+    ]
     env = dict(os.environ, PYDEVD_DISABLE_FILE_VALIDATION="1", MPLBACKEND="Agg")
     started = time.monotonic()
-    proc = subprocess.run(cmd, cwd=src, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=BUILD_TIMEOUT_S)
+    proc = subprocess.run(
+        cmd, cwd=src, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=BUILD_TIMEOUT_S
+    )
     elapsed = time.monotonic() - started
     log_path = out / "build.log"
     log_path.write_text(proc.stdout, encoding="utf8")
@@ -76,12 +91,72 @@ def _build_book(src: Path, out: Path, config_overrides: dict | None = None) -> P
     if proc.returncode != 0 or not (html / "index.html").is_file():
         lines = [ANSI.sub("", line) for line in proc.stdout.splitlines()]
         problems = [line for line in lines if PROBLEM.search(line)]
-        pytest.fail(f"jupyter-book build failed (exit {proc.returncode}, {elapsed:.1f} s): "
-                    f"{' '.join(cmd)}\n--- warnings and errors ---\n" + "\n".join(problems[:60])
-                    + "\n--- end of the log ---\n" + "\n".join(lines[-15:])
-                    + f"\n(full log: {log_path})", pytrace=False)
+        pytest.fail(
+            f"jupyter-book build failed (exit {proc.returncode}, {elapsed:.1f} s): "
+            f"{' '.join(cmd)}\n--- warnings and errors ---\n"
+            + "\n".join(problems[:60])
+            + "\n--- end of the log ---\n"
+            + "\n".join(lines[-15:])
+            + f"\n(full log: {log_path})",
+            pytrace=False,
+        )
     print(f"\n[book] built {src.name} in {elapsed:.1f} s -> {html}")
     return html
+
+
+# Fixtures whose tests are slow wherever they are used: the book build (30 s to minutes) and the real
+# two-node SLURM cluster (about 15 s up and down, 10-20 s a job).
+SLOW_FIXTURES = {"book_html", "build_book", "cluster"}
+
+# Measured with `pytest tests --durations=0 -p no:cacheprovider` on the 2-core machine (2026-11-25, loaded by
+# other jobs, load average ~6): each name here took 5 s or more there (setup + call), against a median test of
+# under 0.05 s. A name is a test function, a fixture its tests use (a launch shared by a module's tests is paid
+# once, by whichever of them runs first), or `fixture[param]` for one instance of a parametrized fixture.
+SLOW = {
+    # every run of the command-line entry point starts Python (and under torchrun, 2-4 ranks): 5-30 s each
+    "test_cli.py": {"uninterrupted", "tmp_path"},
+    "test_cli_strategies.py": {"single", "two_ranks", "four_ranks", "tmp_path"},
+    "test_hf_train.py": {"test_trainer_trains_our_gpt_with_ddp_on_two_ranks"},
+    # launches of 4 or 8 ranks, or many training steps
+    "test_collectives.py": {"reports"},
+    "test_context_parallel.py": {"launched[4]"},
+    "test_ddp.py": {"ranks[4]"},
+    "test_expert_parallel.py": {"launched[4]"},
+    "test_launch.py": {
+        "test_a_silent_hang_is_killed_after_the_timeout",
+        "test_a_rank_missing_from_a_collective_times_out_and_is_named",
+    },
+    "test_mesh.py": {"test_dp2_tp2_pp2_on_8_ranks_trains_like_one_process"},
+    "test_pipeline.py": {
+        "test_four_stages_match_unpartitioned_model_and_torch_pipelining",
+        "test_two_stages_match_unpartitioned_model_and_torch_pipelining",
+    },
+    "test_planner.py": {"llama_plan"},
+    "test_tensor_parallel.py": {"measured"},
+    "test_traffic.py": {"recorded"},
+    "test_train.py": {"test_loss_falls_on_the_embedded_corpus", "test_bf16_autocast_trains_close_to_fp32"},
+}
+
+
+def _slow_names(item) -> set[str]:
+    """The names ``SLOW`` can match for ``item``: its function, its fixtures, and ``fixture[param]``."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    fixtures = set(getattr(item, "fixturenames", ()))
+    return {item.originalname, *fixtures, *(f"{name}[{params[name]}]" for name in fixtures & set(params))}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark slow: the notebooks (nbval), browser tests, users of SLOW_FIXTURES and what SLOW names."""
+    for item in items:
+        is_test_function = isinstance(item, pytest.Function)
+        slow = (
+            not is_test_function
+            or item.get_closest_marker("browser") is not None
+            or bool(SLOW_FIXTURES & set(item.fixturenames))
+            or bool(SLOW.get(item.path.name, set()) & _slow_names(item))
+        )
+        if slow:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
