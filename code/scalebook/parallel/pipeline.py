@@ -395,7 +395,8 @@ def run_schedule(
         stages = {schedule.stages_of(rank)[0]: stages}
     _check_run(schedule, stages, rank, inputs.shape[0], group)
     M, last, record = schedule.microbatches, schedule.n_stages - 1, recorder or _no_recorder
-    x_mbs, y_mbs = inputs.chunk(M), targets.chunk(M)
+    # Copies, not views: a micro-batch's ids saved for the backward pass then keep only themselves alive.
+    x_mbs, y_mbs = [t.clone() for t in inputs.chunk(M)], [t.clone() for t in targets.chunk(M)]
     some_stage = next(iter(stages.values()))
     weight = next(some_stage.parameters())  # messages are made where and in the precision this rank computes
     like = weight.new_empty((*x_mbs[0].shape, some_stage.config.n_embd))
