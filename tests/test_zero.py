@@ -10,13 +10,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
-from scalebook import data
+from scalebook import accounting, data
+from scalebook.accounting.comm import data_parallel_bytes_per_step
 from scalebook.comm import launch
+from scalebook.experiments import zero as zero_runs
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel import zero
 
+TINY = GPTConfig.named("tiny", n_layer=2)  # width 128: every dim 0 is a multiple of 2, nothing is padded
 # Odd widths: every parameter's dim 0 (131, 27, 81, ...) is odd, so both ranks' shards are padded.
 UNEVEN = GPTConfig(vocab_size=131, block_size=16, n_layer=2, n_head=3, n_embd=27)
 STEPS, BATCH = 3, 2  # optimizer steps; sequences (GPT) or rows (toy) per rank and step
@@ -115,10 +119,14 @@ def _full_state(model, method) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone() for k, v in state.items()}
 
 
-def _train(name, method, opt_name, *, dtype=torch.float64, mp_policy=None, accumulate=1, max_norm=None) -> dict:
-    """``STEPS`` steps of ``method``: the losses, the gradient norms before clipping, the full state after."""
+def _train(name, method, opt_name, *, dtype=torch.float64, mp_policy=None, accumulate=1, max_norm=None,
+           recompute=False) -> dict:  # fmt: skip
+    """``STEPS`` steps of ``method``: the losses, the gradient norms before clipping, the full state after.
+    ``recompute``: the GPT recomputes each block's forward inside the backward pass (activation checkpointing)."""
     world, rank = (1, 0) if method == "single" else (dist.get_world_size(), dist.get_rank())
-    model, optimizer = _wrap(_model(name, dtype), method, opt_name, mp_policy)
+    model = _model(name, dtype)
+    model.gradient_checkpointing = recompute
+    model, optimizer = _wrap(model, method, opt_name, mp_policy)
     losses, norms = [], []
     for x, y in _batches(name, rank, world, BATCH * (dist.get_world_size() if method == "single" else 1)):
         for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate), strict=True):
@@ -221,9 +229,15 @@ def run_everything() -> dict:
         for method in ("zero3", "single"):
             if method != "single" or dist.get_rank() == 0:
                 out["clip"][(name, method)] = _train(name, method, "sgd", max_norm=0.05)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # recompute whole blocks, their hooks too
+        out["recompute"] = {method: _train("gpt", method, "adamw", recompute=True) for method in ("zero2", "zero3")}
     out["resume"] = {(name, method): _resumes_bit_identically(name, method)
                      for name in ("gpt", "toy") for method in ("zero1", "zero2", "zero3")}  # fmt: skip
     out["errors"] = _bad_requests()
+    one_step = zero_runs.Recipe(TINY, steps=1)
+    out["bytes"] = {stage: zero_runs.train(one_step, zero_runs.STAGE_METHODS[stage]) for stage in zero_runs.STAGES}
+    out["bytes"]["FSDP2"] = zero_runs.train(one_step, "FSDP2")
+    out["bytes"]["int8"] = zero_runs.train(one_step, "ZeRO-3", quantized_gather=True)
     return out
 
 
@@ -276,6 +290,13 @@ def test_gradient_accumulation_over_two_micro_batches_matches_one_process(ranks,
     assert _max_difference(runs[(name, method)]["state"], runs[(name, "single")]["state"]) < TOLERANCE
 
 
+@pytest.mark.parametrize("method", ["zero2", "zero3"])
+def test_activation_checkpointing_recomputes_blocks_inside_backward_and_still_matches(ranks, method):
+    # The recomputed forward of a block runs while its unit is gathered for backward: it must stay gathered.
+    reference = ranks[0]["runs"][("gpt", "adamw", "single")]["state"]
+    assert _max_difference(ranks[0]["recompute"][method]["state"], reference) < TOLERANCE
+
+
 @pytest.mark.parametrize("name", ["gpt", "toy"])
 def test_clip_grad_norm_over_shards_equals_torch_clip_on_the_whole_gradient(ranks, name):
     ours, reference = ranks[0]["clip"][(name, "zero3")], ranks[0]["clip"][(name, "single")]
@@ -316,6 +337,54 @@ def test_without_a_process_group_both_wrappers_refuse_before_any_work():
         zero.fully_shard(_model("toy"))
     with pytest.raises(ValueError, match="no process group"):
         zero.ZeroRedundancyOptimizer(_model("toy").parameters(), torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize("stage", zero_runs.STAGES)
+def test_held_bytes_equal_model_state_bytes(ranks, stage):
+    # DDP, our ZeRO-1 (reduce-scatter), fully_shard(stage=2) and (stage=3) with AdamW, after one fp32 step.
+    formula = accounting.model_state_bytes(GPT(TINY).num_parameters(), zero_stage=stage, dp=2, precision="fp32")
+    for rank in ranks:
+        held = rank["bytes"][stage]["held"]
+        assert (held.params, held.grads, held.optimizer) == (formula.params, formula.grads, formula.optimizer)
+
+
+@pytest.mark.parametrize("stage", zero_runs.STAGES)
+def test_messages_are_one_reduction_and_the_stages_all_gathers_of_every_element(ranks, stage):
+    psi = GPT(TINY).num_parameters()
+    reduction = "all_reduce" if stage == 0 else "reduce_scatter_single"
+    gathers = {0: 0, 1: 1, 2: 1, 3: 2}[stage]  # stage 2 gathers the updated shards in the next forward
+    expected = {reduction: 4 * psi} | ({"all_gather_single": gathers * 4 * psi} if gathers else {})
+    for rank in ranks:
+        assert rank["bytes"][stage]["messages"] == expected
+        # count_traffic charges each call the ring algorithm's bytes: this checks the calls and their sizes.
+        sent = sum(b for _, b in rank["bytes"][stage]["traffic"].values())
+        assert sent == data_parallel_bytes_per_step(psi, 2, zero_stage=stage)
+
+
+def test_fsdp2_sends_and_holds_exactly_our_stage3_bytes(ranks):
+    for rank in ranks:
+        assert rank["bytes"]["FSDP2"]["traffic"] == rank["bytes"][3]["traffic"]
+        assert rank["bytes"]["FSDP2"]["held"] == rank["bytes"][3]["held"]
+
+
+def test_quantized_gather_sends_int8_codes_and_one_fp32_scale_per_256_values(ranks):
+    model = GPT(TINY)
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    root = model.num_parameters() - TINY.n_layer * block
+    blocks_per_shard = [-(-size // 2 // zero.QUANT_BLOCK) for size in [root] + [block] * TINY.n_layer]
+    # Two gathers (forward, backward) per unit; each rank's piece: 256 int8 codes + a 4-byte scale per block.
+    message = sum(2 * b * (zero.QUANT_BLOCK + 4) for b in blocks_per_shard)
+    for rank in ranks:
+        assert rank["bytes"]["int8"]["messages"]["all_gather_single"] == 2 * message
+        assert rank["bytes"]["int8"]["messages"]["reduce_scatter_single"] == 4 * model.num_parameters()
+
+
+def test_zero_paper_figure1_numbers():
+    # Rajbhandari et al. 2020, Fig. 1: 7.5B parameters, K = 12, N_d = 64.
+    published_gb = {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}
+    for stage, gb in published_gb.items():
+        total = accounting.model_state_bytes(7.5e9, zero_stage=stage, dp=64, precision="mixed").total
+        assert round(total / 1e9, 1) == pytest.approx(gb)
 
 
 def test_int8_blockwise_quantization_matches_torch_fake_quantize():

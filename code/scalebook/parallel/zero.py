@@ -194,8 +194,7 @@ class _Unit:
         self.use_shards()
         self.gathered_versions: list[int] | None = None  # the shards' versions at the last gather; None: never
 
-    def send_buffer(self) -> torch.Tensor:
-        """This rank's shards end to end (the all-gather's input)."""
+    def send_buffer(self) -> torch.Tensor:  # this rank's shards end to end, the all-gather's input
         return self.flat_shard if self.flat_shard is not None else torch.cat([s.reshape(-1) for s in self.shards])
 
     def is_stale(self) -> bool:
@@ -290,6 +289,8 @@ class _ShardedModule:
                             (args, kwargs))  # fmt: skip
 
     def _post_forward(self, unit: _Unit, module, args, output) -> None:
+        if unit.in_backward:  # recomputed inside backward (activation checkpointing): stay gathered
+            return
         if self.stage == 3 or not torch.is_grad_enabled():
             unit.use_shards()
         if torch.is_grad_enabled():
