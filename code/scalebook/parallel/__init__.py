@@ -1,14 +1,16 @@
-"""Parallel training strategies, one module per dimension, each readable in one sitting.
+"""Parallel training, one module per dimension, each readable in one sitting; this is what a run imports.
 
-    ddp        data parallelism: all-reduce gradients, bucketing, overlap with backward
-    zero       ZeRO stages 1-3: shard optimizer state, gradients and parameters
-    tensor     Megatron-style tensor parallelism (column/row-parallel layers, vocab-parallel loss)
-    sequence   sequence parallelism on top of tensor parallelism
-    pipeline   pipeline parallelism: stages, GPipe / 1F1B / interleaved schedules
-    context    context parallelism: ring attention with a load-balanced causal split
-    expert     mixture of experts and expert parallelism (all-to-all dispatch and combine)
-    mesh       N-D process groups (DP x TP x PP x CP x EP) and 3-D training
+    dims         the layout: ParallelDims validates dp x tp x pp x cp (x ep) once, DeviceMesh builds the groups
+    parallelize  parallelize(model, dims): PP split, TP/SP, CP, EP, then the data-parallel wrapper, in that order
+    ddp          data parallelism: all-reduce gradients, bucketing, overlap with backward (any nn.Module)
+    zero         ZeRO-1 as an optimizer wrapper (any torch.optim class); ZeRO-2/3 as a module wrapper (fully_shard)
+    tensor       Megatron-style tensor parallelism applied in place (column/row-parallel layers, vocab-parallel loss)
+    sequence     sequence parallelism on top of tensor parallelism
+    pipeline     pipeline parallelism: a stage is a slice of the model; GPipe / 1F1B / interleaved, one runtime
+    context      context parallelism: ring attention with a load-balanced causal split
+    expert       mixture of experts and expert parallelism (all-to-all dispatch and combine)
 
 Every strategy runs on CPU ranks with gloo (see :func:`scalebook.comm.launch`) and on GPUs with NCCL,
-and is tested against PyTorch's own implementation and against single-process training.
+and is tested against PyTorch's own implementation and against single-process training. The chapters'
+timing studies and comparisons live in :mod:`scalebook.experiments`, not here.
 """
