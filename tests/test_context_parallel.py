@@ -58,16 +58,15 @@ def test_half_block_formula_matches_hand_counts():
         assert context.half_blocks_per_rank(cp, split) == expected
 
 
-def ring_attention_and_gpt(cp: int) -> dict:
-    """One launch, two claims: ring attention against one-rank attention on all ranks; the GPT with cp = 2
-    (next to dp = world / 2) against one process."""
+def ring_attention_and_gpt(world: int) -> dict:
+    """One launch, three claims: ring attention against one-rank attention on all ranks; the GPT with
+    cp = min(world, 2) (next to dp = world / cp) against one process; a batch that does not split raises."""
     results = {"ring": compare_ring_attention(seq_len=32, batch=1, heads=2, head_dim=8)}
-    if cp > 1:
-        results["gpt"] = {split: gpt_context_parallel_errors(2, split) for split in context.SPLITS}
-        try:  # 6 tokens cannot be cut into 2 cp chunks
-            context.context_parallel_batch(torch.zeros(1, 6, dtype=torch.long), None)
-        except ValueError as error:
-            results["bad_batch"] = str(error)
+    results["gpt"] = {split: gpt_context_parallel_errors(min(world, 2), split) for split in context.SPLITS}
+    try:  # 5 tokens cannot be cut into 2 cp chunks, for any cp
+        context.context_parallel_batch(torch.zeros(1, 5, dtype=torch.long), None)
+    except ValueError as error:
+        results["bad_batch"] = str(error)
     return results
 
 
@@ -78,16 +77,15 @@ def launched(request):
 
 
 def test_gpt_loss_and_every_gradient_equal_one_process_under_context_parallelism(launched):
-    cp, results = launched
-    if cp == 1:
-        pytest.skip("one rank: nothing to split")
+    world, results = launched
+    cp = min(world, 2)
     for rank, result in enumerate(results):
         for split, gpt in result["gpt"].items():
-            assert gpt["local_tokens"] == (2, 8)  # each rank really held half of every sequence
-            assert gpt["loss_error"] < TOLERANCE and gpt["grad_error"] < TOLERANCE, (cp, rank, split, gpt)
+            assert gpt["local_tokens"] == (2, 16 // cp)  # each rank really held 1/cp of every sequence
+            assert gpt["loss_error"] < TOLERANCE and gpt["grad_error"] < TOLERANCE, (world, rank, split, gpt)
             # Large enough that a missing 1/cp (or a gradient left on its home rank) would show.
             assert gpt["grad_scale"] > 1000 * TOLERANCE
-        assert f"divisible by {2 * cp}" in result["bad_batch"]
+        assert f"divisible by {2 * world}" in result["bad_batch"]
 
 
 def test_ring_attention_output_and_gradients_equal_one_rank(launched):
