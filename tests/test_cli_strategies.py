@@ -24,14 +24,18 @@ from scalebook.train import checkpoint, cli
 SMALL = ["--steps", "6", "--micro-batch", "1", "--global-batch", "4", "--seq-len", "32", "--no-progress",
          "--log-every", "100", "--checkpoint-every", "2"]  # fmt: skip
 MOE = ["--moe-experts", "4"]  # four experts per MLP, top-2 routing, dropless
-TWO_RANKS = {
+# Two ranks, two launches: the data-parallel wrappers, and the model-parallel dimensions.
+WRAPPERS = {
     "ddp": ["--strategy", "ddp", "--bucket-cap-mb", "0.5"],  # 0.5 MiB: 7 buckets of the tiny GPT's 3 MiB
     "torch-ddp": ["--strategy", "torch-ddp"],
     "fsdp": ["--strategy", "fsdp"],
     "zero1": ["--strategy", "zero1"],
     "zero2": ["--strategy", "zero2"],
     "zero3": ["--strategy", "zero3"],
+}
+DIMENSIONS = {
     "tp": ["--strategy", "tp", "--tp", "2"],
+    "tp + sp": ["--strategy", "tp", "--tp", "2", "--sequence-parallel"],  # LayerNorms on 16 tokens per rank
     "pp": ["--strategy", "pp", "--pp", "2"],  # 2 layers per stage
     "cp": ["--strategy", "ddp", "--cp", "2"],  # each sequence in 4 chunks of 8 tokens, zig-zag
     "ep": ["--strategy", "ddp", "--ep", "2", *MOE],  # two experts per rank
@@ -89,8 +93,13 @@ def single(tmp_path_factory) -> dict[str, tuple[list, dict]]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> dict:
-    return launch(train_layouts, 2, TWO_RANKS, str(tmp_path_factory.mktemp("two")), timeout=240)[0]
+def wrappers(tmp_path_factory) -> dict:
+    return launch(train_layouts, 2, WRAPPERS, str(tmp_path_factory.mktemp("wrappers")), timeout=240)[0]
+
+
+@pytest.fixture(scope="module")
+def dimensions(tmp_path_factory) -> dict:
+    return launch(train_layouts, 2, DIMENSIONS, str(tmp_path_factory.mktemp("dimensions")), timeout=240)[0]
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +136,14 @@ def assert_is_one_process(run: dict, reference: tuple[list, dict], world_size: i
         torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=5e-5, msg=name)
 
 
-@pytest.mark.parametrize("layout", TWO_RANKS)
-def test_two_rank_layout_is_one_process(layout, two_ranks, single):
-    assert_is_one_process(two_ranks[layout], single["moe" if "--ep" in TWO_RANKS[layout] else "dense"], 2)
+@pytest.mark.parametrize("layout", WRAPPERS)
+def test_data_parallel_wrapper_on_two_ranks_is_one_process(layout, wrappers, single):
+    assert_is_one_process(wrappers[layout], single["dense"], 2)
+
+
+@pytest.mark.parametrize("layout", DIMENSIONS)
+def test_parallel_dimension_on_two_ranks_is_one_process(layout, dimensions, single):
+    assert_is_one_process(dimensions[layout], single["moe" if "--ep" in DIMENSIONS[layout] else "dense"], 2)
 
 
 @pytest.mark.parametrize("layout", FOUR_RANKS)
@@ -163,6 +177,11 @@ IMPOSSIBLE = [
      "e.g. --global-batch 4"),
     ([], 2, "dp x cp = 2 x 1 replicas need a data-parallel wrapper to average their gradients: choose --strategy"),
     (["--seq-len", "256"], 1, "--seq-len 256 exceeds the model's context of 128 tokens"),
+    (["--sequence-parallel"], 1, "--sequence-parallel splits the sequence over the tensor-parallel ranks: add --tp"),
+    (["--tp", "2", "--sequence-parallel", "--seq-len", "33"], 2, "seq_len (33) must be divisible by tp (2) under "
+     "sequence parallelism"),
+    (["--strategy", "ddp", "--tp", "2", "--cp", "2", "--sequence-parallel"], 4, "--sequence-parallel with --cp 2"),
+    (["--tp", "2", "--pp", "2", "--sequence-parallel"], 4, "--sequence-parallel with --pp 2: the pipeline runtime"),
 ]  # fmt: skip
 
 

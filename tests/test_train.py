@@ -1,5 +1,6 @@
 """The single-device training loop: it learns, it is deterministic, and its options are exact."""
 
+import argparse
 import math
 from itertools import pairwise
 
@@ -8,7 +9,7 @@ import torch
 
 from scalebook import data, measure
 from scalebook.model import GPT, GPTConfig
-from scalebook.train import TrainConfig, evaluate, lr_at, make_optimizer, train
+from scalebook.train import TrainConfig, cli, evaluate, lr_at, make_optimizer, train
 
 TOKENS = data.tokenize(data.default_corpus()[:200_000])
 MICRO = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -122,3 +123,15 @@ def test_bad_train_config_is_rejected(kwargs, fragment):
 def test_sequence_longer_than_the_model_is_rejected_before_training():
     with pytest.raises(ValueError, match="exceeds the model's block_size"):
         train(fresh_model(), TOKENS, TrainConfig(seq_len=64, progress=False))
+
+
+def test_the_command_line_runs_this_very_loop():
+    """``python -m scalebook.train`` on one process and ``train()`` are one loop (``training_steps``): the same
+    model, data and settings give bit-identical losses, micro-batches and clipping included."""
+    argv = ["--steps", "3", "--micro-batch", "2", "--global-batch", "4", "--seq-len", "32", "--warmup-steps", "1"]
+    args = argparse.Namespace(**{**vars(cli.build_parser().parse_args(argv)), "no_progress": True})
+    from_the_command_line = [record.loss for record in cli.run(args)]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.named("tiny"))
+    cfg = TrainConfig(steps=3, batch_size=2, grad_accum=2, seq_len=32, warmup_steps=1, progress=False)
+    assert train(model, data.tokenize(data.load_text()), cfg).losses == from_the_command_line

@@ -62,6 +62,10 @@ UNSUPPORTED = {
     "use --tp 1 with --ep",
     ("cp", "pp"): "the pipeline runtime passes token ids, not their positions, to the first stage, which a "
     "context-parallel rank needs; use --pp 1 with --cp",
+    ("sequence_parallel", "pp"): "the pipeline runtime sizes the activations it receives as (B, T, d), and "
+    "sequence-parallel stages exchange (B, T / tp, d); drop --sequence-parallel with --pp",
+    ("sequence_parallel", "cp"): "both split the sequence, and sequence parallelism's position embedding does not "
+    "know the zig-zag positions of a context-parallel rank; drop --sequence-parallel with --cp",
 }
 
 
@@ -72,7 +76,8 @@ def _divisors(n: int) -> list[int]:
 @dataclass(frozen=True)
 class ParallelDims:
     """Degrees of parallelism for ``world_size`` ranks, the data-parallel wrapper (one of ``DATA_PARALLEL``,
-    or None for one replica) and the micro-batches each replica runs per optimizer step; checked when built."""
+    or None for one replica), the micro-batches each replica runs per optimizer step, and whether tensor
+    parallelism splits the sequence too; checked when built."""
 
     world_size: int
     dp: int = 1
@@ -82,6 +87,7 @@ class ParallelDims:
     ep: int = 1
     data_parallel: str | None = None
     micro_batches: int = 1
+    sequence_parallel: bool = False  # tensor parallelism's LayerNorms and residuals on T / tp tokens (Ch. 12)
 
     def __post_init__(self):
         problems = _degree_problems(self)
@@ -94,14 +100,15 @@ class ParallelDims:
         """The layout of ``world_size`` ranks for a model of ``config`` (a GPTConfig) trained on ``global_batch``
         sequences of ``seq_len`` tokens per step in micro-batches of ``micro_batch``, or one ValueError listing
         every problem, each naming the flag to change. ``dp`` defaults to the ranks that tp x pp x cp leave;
-        ``degrees``: tp, pp, cp, ep, data_parallel."""
+        ``degrees``: tp, pp, cp, ep, data_parallel, sequence_parallel."""
         split = degrees.get("tp", 1) * degrees.get("pp", 1) * degrees.get("cp", 1)
         if dp is None:
             dp = max(1, world_size // split) if isinstance(split, int) and split >= 1 else 1
         per_step = micro_batch * dp
         micro_batches = global_batch // per_step if per_step >= 1 and global_batch % per_step == 0 else 1
         # Not a ParallelDims yet, whose constructor would stop at the first problem: every check runs first.
-        dims = SimpleNamespace(**{**dict(tp=1, pp=1, cp=1, ep=1, data_parallel=None), **degrees},
+        dims = SimpleNamespace(**{**dict(tp=1, pp=1, cp=1, ep=1, data_parallel=None, sequence_parallel=False),
+                                  **degrees},
                                world_size=world_size, dp=dp, micro_batches=micro_batches)  # fmt: skip
         problems = _degree_problems(dims)
         if all(isinstance(getattr(dims, d), int) and getattr(dims, d) >= 1 for d in ("tp", "pp", "cp", "ep")):
@@ -123,7 +130,17 @@ class ParallelDims:
             )
         if problems:
             raise ValueError("invalid parallel layout:\n  " + "\n  ".join(problems))
-        return cls(world_size, dp, dims.tp, dims.pp, dims.cp, dims.ep, dims.data_parallel, micro_batches)
+        return cls(
+            world_size,
+            dp,
+            dims.tp,
+            dims.pp,
+            dims.cp,
+            dims.ep,
+            dims.data_parallel,
+            micro_batches,
+            dims.sequence_parallel,
+        )
 
     @property
     def replicas(self) -> int:
@@ -192,10 +209,15 @@ def _degree_problems(dims: ParallelDims | SimpleNamespace) -> list[str]:
                         f"sharded over data-parallel ranks; choose --ep from {_divisors(dims.dp)}")  # fmt: skip
     if dims.data_parallel is not None and dims.data_parallel not in DATA_PARALLEL:
         problems.append(f"data_parallel must be one of {DATA_PARALLEL} or None, got {dims.data_parallel!r}")
+    flags = {dims.data_parallel: f"--strategy {dims.data_parallel}"}
+    flags |= {dim: f"--{dim} {getattr(dims, dim)}" for dim in DIMS if getattr(dims, dim) > 1}
+    if dims.sequence_parallel:
+        flags["sequence_parallel"] = "--sequence-parallel"
+        if dims.tp == 1:
+            problems.append("--sequence-parallel splits the sequence over the tensor-parallel ranks: add --tp")
     for (first, dim), why in UNSUPPORTED.items():
-        if getattr(dims, dim) > 1 and (first == dims.data_parallel or first in DIMS and getattr(dims, first) > 1):
-            flag = f"--{first} {getattr(dims, first)}" if first in DIMS else f"--strategy {first}"
-            problems.append(f"{flag} with --{dim} {getattr(dims, dim)}: {why}")
+        if getattr(dims, dim) > 1 and first in flags:
+            problems.append(f"{flags[first]} with --{dim} {getattr(dims, dim)}: {why}")
     return problems
 
 
@@ -207,7 +229,8 @@ def _model_problems(dims: SimpleNamespace, config, seq_len: int) -> list[str]:
     problems = []
     if seq_len > config.block_size:
         problems.append(f"--seq-len {seq_len} exceeds the model's context of {config.block_size} tokens")
-    checks = [("tp", lambda: validate_tensor_parallel(config, dims.tp)),
+    sp = {"sequence_parallel": True, "seq_len": seq_len} if dims.sequence_parallel else {}
+    checks = [("tp", lambda: validate_tensor_parallel(config, dims.tp, **sp)),
               ("cp", lambda: validate_context_parallel(seq_len, dims.cp))]  # fmt: skip
     for flag, check in checks:
         if getattr(dims, flag) > 1:

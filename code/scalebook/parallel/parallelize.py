@@ -87,12 +87,17 @@ class ParallelModel:
         return no_sync() if no_sync else contextlib.nullcontext()
 
     def _finish_gradients(self) -> None:
-        """What each dimension adds after the backward passes, in the order of :func:`parallelize`."""
+        """What each dimension adds after the backward passes. The book's DDP first: it copies the averages of
+        what its hooks packed during the last backward back into ``.grad``, which would undo a sum made before.
+        The sums over model-parallel copies that follow are linear, so they commute with the averaging."""
+        sync = getattr(self.module, "sync_gradients", None)
+        if sync:
+            sync()
         if self.dims.pp > 1:
             from scalebook.parallel.pipeline import sync_tied_embedding
 
             sync_tied_embedding(self.model, self.group("tied"))
-        if getattr(self.model, "sequence_parallel", False):
+        if self.dims.sequence_parallel:
             from scalebook.parallel.sequence import all_reduce_sequence_parallel_grads
 
             all_reduce_sequence_parallel_grads(self.model, self.group("tp"))
@@ -101,9 +106,6 @@ class ParallelModel:
 
             edp = self.group("edp")
             reduce_expert_gradients(self.model, edp if dist.get_world_size(edp) > 1 else None)
-        sync = getattr(self.module, "sync_gradients", None)  # the book's DDP waits for its bucket all-reduces
-        if sync:
-            sync()
 
     def _mean_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
         """The global batch's loss: the mean of the replicas' losses, as the last pipeline stage's first
@@ -306,7 +308,7 @@ def parallelize(
     if dims.tp > 1:
         from scalebook.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh.group("tp"))
+        apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=dims.sequence_parallel)
     if dims.cp > 1:
         from scalebook.parallel.context import apply_context_parallel
 

@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="expert-parallel degree: the experts of --moe-experts sharded over ep of the dp replicas",
     )
     g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: LayerNorms, residuals and dropout on seq-len / tp tokens per rank (Ch. 12)",
+    )
+    g.add_argument(
         "--bucket-cap-mb",
         type=float,
         default=None,
@@ -177,7 +182,8 @@ def layout(args: argparse.Namespace, world_size: int):
         try:
             dims = ParallelDims.build(world_size, config, seq_len=args.seq_len, global_batch=args.global_batch,
                                       micro_batch=args.micro_batch, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp,
-                                      ep=args.ep, data_parallel=STRATEGIES[args.strategy])  # fmt: skip
+                                      ep=args.ep, data_parallel=STRATEGIES[args.strategy],
+                                      sequence_parallel=args.sequence_parallel)  # fmt: skip
         except ValueError as error:
             problems += str(error).splitlines()[1:]
     if problems:
