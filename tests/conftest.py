@@ -110,18 +110,25 @@ SLOW_FIXTURES = {"book_html", "build_book", "cluster"}
 
 # Measured with `pytest tests --durations=0 -p no:cacheprovider` on the 2-core machine (2026-11-25, loaded by
 # other jobs, load average ~6): each name here took 5 s or more there (setup + call), against a median test of
-# under 0.05 s. A name is a test function, a fixture its tests use (a launch shared by a module's tests is paid
-# once, by whichever of them runs first), or `fixture[param]` for one instance of a parametrized fixture.
+# under 0.05 s; then `pytest tests -m "not slow" --durations=60` after the suites were rewritten (load ~12, so
+# 10 s) added the waits for timeouts of test_labs. What stays in `make check` launches at most 3 ranks.
+# A name is a test function, a fixture its tests use (a launch shared by a module's tests is paid once, by
+# whichever of them runs first), or `fixture[param]` for one instance of a parametrized fixture.
 SLOW = {
-    # every run of the command-line entry point starts Python (and under torchrun, 2-4 ranks): 5-30 s each
-    "test_cli.py": {"uninterrupted", "tmp_path"},
-    "test_cli_strategies.py": {"single", "two_ranks", "four_ranks", "tmp_path"},
+    # runs of the training command line: a subprocess (under torchrun, 2-4 ranks) for each test that gets a
+    # tmp_path, or launches training every layout for 6 steps and resuming it: 5-30 s each
+    "test_cli.py": {"tmp_path"},
+    "test_cli_strategies.py": {"single", "wrappers", "dimensions", "four_ranks"},
     "test_hf_train.py": {"test_trainer_trains_our_gpt_with_ddp_on_two_ranks"},
-    # launches of 4 or 8 ranks, or many training steps
+    # launches of 4 or 8 ranks, waits for a timeout, or many training steps
     "test_collectives.py": {"reports"},
     "test_context_parallel.py": {"launched[4]"},
     "test_ddp.py": {"ranks[4]"},
     "test_expert_parallel.py": {"launched[4]"},
+    "test_labs.py": {
+        "test_mismatched_collectives_surface_within_the_timeout_and_leave_no_process",
+        "test_distributed_debug_detail_names_the_mismatch_at_once",
+    },
     "test_launch.py": {
         "test_a_silent_hang_is_killed_after_the_timeout",
         "test_a_rank_missing_from_a_collective_times_out_and_is_named",
