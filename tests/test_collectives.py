@@ -9,13 +9,11 @@ import torch
 import torch.distributed as dist
 
 from scalebook.comm import LaunchError, count_traffic, launch
-from scalebook.comm.collectives import (
-    ALL_REDUCES,
+from scalebook.comm.collectives import ALL_REDUCES, ring_all_gather, ring_chunk_sizes, ring_reduce_scatter
+from scalebook.experiments.collectives import (
+    all_reduce_with_a_failing_rank,
     compare_all_reduces,
     labelled_tensor,
-    ring_all_gather,
-    ring_chunk_sizes,
-    ring_reduce_scatter,
     run_every_collective,
     seeded_inputs,
 )
@@ -245,8 +243,6 @@ def test_compare_all_reduces_rebuilds_inputs_and_counts_gloo_as_a_ring(reports):
 
 
 def test_a_failing_rank_fails_the_launch_with_its_message():
-    from scalebook.comm.collectives import all_reduce_with_a_failing_rank
-
     with pytest.raises(LaunchError, match="rank 1 of 2 raised first") as info:
         launch(all_reduce_with_a_failing_rank, 2, 1, timeout=30)
     assert "RuntimeError: rank 1 cannot find its data shard (raised on purpose)" in str(info.value)

@@ -1,4 +1,5 @@
-"""DDP from scratch: every version trains exactly like torch DDP and like one process on the global batch."""
+"""DDP from scratch: on any module, every version trains exactly like torch DDP; on the book's GPT, also like one
+process on the global batch."""
 
 import math
 from dataclasses import replace
@@ -6,26 +7,23 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from scalebook import configs, data
 from scalebook.accounting import data_parallel_bytes_per_step, training_flops_with_attention
-from scalebook.comm import launch
+from scalebook.comm import count_traffic, launch
+from scalebook.experiments.ddp import DataParallelRun, predicted_step_time, train_data_parallel
 from scalebook.model import GPT, GPTConfig
-from scalebook.parallel.ddp import (
-    MIB,
-    AllReduceDDP,
-    BucketedDDP,
-    DataParallelRun,
-    OverlappedDDP,
-    predicted_step_time,
-    train_data_parallel,
-)
+from scalebook.parallel.ddp import MIB, AllReduceDDP, BucketedDDP, OverlappedDDP
 from scalebook.train import TrainConfig, train
 
 MINI = GPTConfig.named("tiny", n_layer=2, n_embd=64, block_size=64)
 TRAIN = TrainConfig(steps=5, batch_size=2, seq_len=64, warmup_steps=2, progress=False)
 CAP_MB = 0.05  # about 52 KB: the mini model's 0.48 MB of gradients fill 7 buckets
 VERSIONS = ("allreduce", "bucketed", "overlapped", "torch")
+OURS = {"allreduce": AllReduceDDP, "bucketed": BucketedDDP, "overlapped": OverlappedDDP}
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 # fp64: only the order of the gradient sums differs between runs (rounding ~1e-16), so 1e-10 is loose.
 # fp32: the losses agree to 1e-6, but AdamW divides by sqrt(v), so a weight whose gradient is ~0 (the
@@ -36,8 +34,108 @@ PARAM_TOL = {"fp32": 1e-5, "fp64": 1e-10}
 LOSS_TOL = 1e-6
 
 
+class Toy(nn.Module):
+    """Not the book's GPT: a frozen layer, a weight shared by two modules, buffers (one constant, BatchNorm's
+    running statistics updated by every forward), a layer only some ranks use and a layer no rank uses."""
+
+    def __init__(self, vocab: int = 32, width: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.frozen = nn.Linear(width, width).requires_grad_(False)
+        self.norm = nn.BatchNorm1d(width)
+        self.hidden = nn.Linear(width, width)
+        self.sometimes = nn.Linear(width, width)  # used only when the caller asks (rank 0 below)
+        self.never = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied: one Parameter in two modules
+        self.register_buffer("scale", torch.rand(width) + 0.5)
+
+    def forward(self, tokens, targets, use_sometimes: bool):
+        h = torch.tanh(self.frozen(self.embed(tokens) * self.scale))
+        h = self.norm(h.flatten(0, 1)).view_as(h)
+        h = h + torch.tanh(self.hidden(h))
+        if use_sometimes:
+            h = h + self.sometimes(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+TOY_OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    # weight decay moves a parameter whose gradient is zero, but not one whose gradient is None
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+}
+TOY_CAP_MB = 0.001  # about 1 KiB: the toy's gradients fall into 4 buckets, so their order matters
+
+
+def train_toy(version: str, optimizer: str, *, find_unused: bool = True, steps: int = 3) -> dict:
+    """Train the toy on this rank: its own seed before wrapping, its own batches, rank 0 alone uses
+    ``sometimes``. Returns the final parameters and buffers, the last gradients, and the all-reduced bytes."""
+    rank = dist.get_rank()
+    torch.manual_seed(10 + rank)  # only the broadcast at construction makes the replicas equal
+    model = Toy()
+    if version == "torch":
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=TOY_CAP_MB, find_unused_parameters=True)
+    else:
+        wrapped = OURS[version](model, **({} if version == "allreduce" else {"bucket_cap_mb": TOY_CAP_MB}),
+                                find_unused_parameters=find_unused)  # fmt: skip
+    opt = TOY_OPTIMIZERS[optimizer](model.parameters())
+    generator = torch.Generator().manual_seed(100 + rank)
+    with count_traffic() as traffic:
+        for _ in range(steps):
+            tokens, targets = torch.randint(0, 32, (2, 4, 8), generator=generator)
+            opt.zero_grad(set_to_none=True)
+            wrapped(tokens, targets, rank == 0).backward()
+            if version != "torch":
+                wrapped.sync_gradients()
+            opt.step()
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+        "all_reduced_bytes": sum(c.message_bytes for c in traffic.of("all_reduce")) / steps,
+    }
+
+
+def misuse_checks() -> dict:
+    """Overlapped DDP used wrongly: a forward before the last backward's sync, and a sync after a backward that
+    ran entirely inside no_sync() (which must average like the bucketed version)."""
+    rank = dist.get_rank()
+    out = {}
+    tokens, targets = torch.randint(0, 32, (2, 4, 8), generator=torch.Generator().manual_seed(rank))
+    grads = {}
+    for version in ("overlapped", "bucketed"):
+        torch.manual_seed(0)
+        wrapped = OURS[version](Toy(), bucket_cap_mb=TOY_CAP_MB)
+        with wrapped.no_sync():
+            wrapped(tokens, targets, True).backward()
+        wrapped.sync_gradients()
+        grads[version] = [p.grad.clone() for p in wrapped.params]
+    out["no_sync_then_sync_gap"] = max((a - b).abs().max().item() for a, b in zip(*grads.values(), strict=True))
+    wrapped = OverlappedDDP(Toy(), bucket_cap_mb=TOY_CAP_MB)
+    wrapped(tokens, targets, True).backward()
+    try:
+        wrapped(tokens, targets, True)
+        out["forward_before_sync"] = "no error"
+    except RuntimeError as error:
+        out["forward_before_sync"] = str(error)
+    wrapped.sync_gradients()
+    return out
+
+
+def toy_runs() -> dict:
+    """On each of 2 ranks: the toy module under every version and torch DDP with both optimizers, our
+    overlapped version without find_unused_parameters, and the misuse checks."""
+    results = {}
+    for optimizer in TOY_OPTIMIZERS:
+        for version in VERSIONS:
+            results[version, optimizer] = train_toy(version, optimizer)
+        results["overlapped default", optimizer] = train_toy("overlapped", optimizer, find_unused=False)
+    results["misuse"] = misuse_checks()
+    return results
+
+
 def every_version():
-    """On each rank: all versions and torch DDP in fp32 and fp64, plus the checks that need ranks."""
+    """On each rank: the GPT runs of every version and torch DDP in fp32 and fp64, plus the checks that need
+    ranks."""
     results = {}
     for dtype_name, dtype in DTYPES.items():
         for version in VERSIONS:
@@ -58,23 +156,18 @@ def every_version():
     torch.manual_seed(dist.get_rank())
     wrapped = AllReduceDDP(GPT(MINI))
     results["after_wrap"] = {name: p.detach().clone() for name, p in wrapped.module.named_parameters()}
-    # sync_gradients() after a backward that ran entirely under no_sync() must refuse, not return stale grads.
-    overlapped = OverlappedDDP(GPT(MINI), bucket_cap_mb=CAP_MB)
-    x, y = data.get_batch(data.tokenize("hello world " * 20), 2, 16, torch.Generator().manual_seed(0))
-    with overlapped.no_sync():
-        overlapped(x, y)[1].backward()
-    try:
-        overlapped.sync_gradients()
-        results["sync_after_no_sync"] = "no error"
-    except RuntimeError as error:
-        results["sync_after_no_sync"] = str(error)
     return results
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
 def ranks(request):
     n = request.param
-    return n, launch(every_version, n, timeout=120)
+    return n, launch(every_version, n, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def toy_results():
+    return launch(toy_runs, 2, timeout=120)
 
 
 def single_process(dtype, batch_size, grad_accum):
@@ -86,7 +179,7 @@ def single_process(dtype, batch_size, grad_accum):
         model = GPT(MINI).to(dtype)
         cfg = TrainConfig(steps=TRAIN.steps, batch_size=batch_size, grad_accum=grad_accum, seq_len=TRAIN.seq_len,
                           warmup_steps=TRAIN.warmup_steps, progress=False)  # fmt: skip
-        result = train(model, data.tokenize(data.default_corpus()), cfg)
+        result = train(model, data.corpus_tokens(), cfg)
     finally:
         torch.set_num_threads(threads)
     return result.losses, {name: p.detach() for name, p in model.named_parameters()}
@@ -100,7 +193,7 @@ def single_process_gradients(dtype, n):
     try:
         torch.manual_seed(TRAIN.seed)
         model = GPT(MINI).to(dtype)
-        x, y = data.get_batch(data.tokenize(data.default_corpus()), TRAIN.batch_size * n, TRAIN.seq_len,
+        x, y = data.get_batch(data.corpus_tokens(), TRAIN.batch_size * n, TRAIN.seq_len,
                               torch.Generator().manual_seed(TRAIN.seed))  # fmt: skip
         model(x, y)[1].backward()
     finally:
@@ -110,6 +203,71 @@ def single_process_gradients(dtype, n):
 
 def max_param_diff(a, b):
     return max((a[name].double() - b[name].double()).abs().max().item() for name in b)
+
+
+# ----- Any module, against torch DDP --------------------------------------------------------------------------
+# Two ranks: both implementations divide each gradient by 2 (exact in binary) and add the two halves (a + b
+# is b + a exactly), so every weight, buffer and gradient must agree bit for bit. Any other scale, a
+# gradient reduced twice, a missed buffer broadcast or a skipped rank shows as a nonzero difference.
+
+
+@pytest.mark.parametrize("optimizer", TOY_OPTIMIZERS)
+@pytest.mark.parametrize("version", OURS)
+def test_any_module_trains_bit_for_bit_like_torch_ddp(toy_results, version, optimizer):
+    for rank in range(2):
+        ours, theirs = toy_results[rank][version, optimizer], toy_results[rank]["torch", optimizer]
+        assert ours["state"].keys() == theirs["state"].keys()
+        assert max_param_diff(ours["state"], theirs["state"]) == 0.0, rank
+        # With find_unused_parameters, a parameter no rank used keeps a None gradient, as in torch DDP.
+        assert [n for n, g in ours["grads"].items() if g is None] == ["frozen.weight", "frozen.bias",
+                                                                     "never.weight", "never.bias"]  # fmt: skip
+        used = {n: g for n, g in ours["grads"].items() if g is not None}
+        assert max_param_diff(used, {n: theirs["grads"][n] for n in used}) == 0.0
+
+
+@pytest.mark.parametrize("optimizer", TOY_OPTIMIZERS)
+def test_replicas_of_any_module_stay_identical_and_start_from_rank_0(toy_results, optimizer):
+    rank0, rank1 = (toy_results[r]["overlapped", optimizer]["state"] for r in range(2))
+    # BatchNorm's running statistics are left out: each rank's last forward updated its own, and (as in
+    # torch DDP, matched above) the next forward would start from rank 0's again.
+    replicated = [name for name in rank0 if not name.startswith("norm.running") and name != "norm.num_batches_tracked"]
+    assert max_param_diff({n: rank1[n] for n in replicated}, {n: rank0[n] for n in replicated}) == 0.0
+    torch.manual_seed(10)  # rank 0's seed: the frozen layer and the constant buffer never change after it
+    start = Toy().state_dict()
+    for name in ("frozen.weight", "frozen.bias", "scale"):
+        assert torch.equal(rank1[name], start[name]), name
+
+
+def test_a_shared_weight_is_reduced_once(toy_results):
+    # One all-reduce of every trainable element (the tied matrix once), in 4-byte floats, per step; with
+    # find_unused_parameters one more, of a 4-byte flag per trainable tensor.
+    model = Toy()
+    trainable = [p for p in model.parameters() if p.requires_grad]  # parameters() lists a shared one once
+    assert sum(p.numel() for p in trainable) < sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False)
+                                                   if p.requires_grad)  # fmt: skip
+    gradient_bytes = 4 * sum(p.numel() for p in trainable)
+    for optimizer in TOY_OPTIMIZERS:
+        assert toy_results[0]["overlapped default", optimizer]["all_reduced_bytes"] == gradient_bytes
+        assert toy_results[0]["overlapped", optimizer]["all_reduced_bytes"] == gradient_bytes + 4 * len(trainable)
+
+
+def test_without_find_unused_parameters_an_unused_layer_gets_a_zero_gradient_everywhere(toy_results):
+    for rank in range(2):
+        grads = toy_results[rank]["overlapped default", "sgd"]["grads"]
+        assert torch.count_nonzero(grads["never.weight"]) == 0 and grads["frozen.weight"] is None
+        # Plain SGD with momentum leaves a parameter whose gradient was always zero where it was.
+        ours = toy_results[rank]["overlapped default", "sgd"]["state"]
+        assert max_param_diff(ours, toy_results[rank]["torch", "sgd"]["state"]) == 0.0
+
+
+def test_overlapped_ddp_refuses_a_forward_before_sync_and_syncs_after_no_sync(toy_results):
+    misuse = toy_results[0]["misuse"]
+    assert "call sync_gradients() after the last backward" in misuse["forward_before_sync"]
+    # Nothing was launched during backward; sync_gradients() sends every bucket, in order, like version 2.
+    assert misuse["no_sync_then_sync_gap"] == 0.0
+
+
+# ----- The book's GPT: against torch DDP and one process ---------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
@@ -230,9 +388,7 @@ def test_overlapped_ddp_all_reduces_during_backward_and_bucketed_after(ranks):
     assert all(not math.isnan(s.end) for s in results[0]["overlapped", "fp32"]["spans"])
 
 
-def test_sync_gradients_refuses_after_a_backward_inside_no_sync(ranks):
-    n, results = ranks
-    assert "0 of 7 buckets were sent" in results[0]["sync_after_no_sync"]
+# ----- Without ranks: bad input and the alpha-beta prediction ------------------------------------------------
 
 
 @pytest.mark.parametrize("comm_heavy", [False, True], ids=["compute-bound", "link-bound"])

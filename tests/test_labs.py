@@ -8,8 +8,8 @@ import torch
 
 from scalebook import labs
 from scalebook.comm import launch
+from scalebook.experiments.ddp import run_experiments
 from scalebook.model import GPTConfig
-from scalebook.parallel.ddp import run_experiments
 
 BROKEN_HANG, FIXED_HANG = labs.HANG_VARIANTS
 

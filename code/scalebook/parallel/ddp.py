@@ -18,9 +18,15 @@ the whole batch, and the replicas stay identical. Three versions, each one chang
   network works while backward is still computing the gradients of earlier layers.
   :meth:`~OverlappedDDP.sync_gradients` waits for them before the optimizer step.
 
-All three start every replica from rank 0's weights (a broadcast, as torch DDP does at construction) and
-offer ``no_sync()`` for gradient accumulation. One training loop drives them all, and torch's
-``DistributedDataParallel``, which synchronises inside the last backward by itself::
+Each wraps any ``nn.Module`` the way ``torch.nn.parallel.DistributedDataParallel`` does: it starts every
+replica from rank 0's parameters and buffers (and, with ``forward_sync_buffers``, torch 2.13's name for
+``broadcast_buffers``, re-broadcasts the buffers before each forward), skips frozen parameters, reduces
+a parameter shared by two modules once, and offers ``no_sync()`` for gradient accumulation and
+``register_comm_hook`` for a custom reduction. A parameter that gets no gradient on a rank (unused in
+its forward) contributes zeros, so every rank still issues the same collectives in the same order;
+afterwards its ``.grad`` holds the average over ranks. With ``find_unused_parameters=True`` one more
+small all-reduce finds the parameters no rank used, whose ``.grad`` then stays ``None``, as in torch DDP
+(an optimizer skips them; a zero gradient would still decay them). One training loop drives the three::
 
     for i, (x, y) in enumerate(micro_batches):
         with model.no_sync() if i < len(micro_batches) - 1 else nullcontext():
@@ -28,9 +34,8 @@ offer ``no_sync()`` for gradient accumulation. One training loop drives them all
     model.sync_gradients()
     optimizer.step()
 
-The second half of the module runs the chapter's experiments on the ranks of a launch
-(:func:`train_data_parallel`, :func:`compare_step_times`, :func:`run_experiments`) and predicts a step's
-time on GPUs with the alpha-beta model (:func:`predicted_step_time`).
+Chapter 10's experiments (timelines, step times, traffic) run these classes from
+:mod:`scalebook.experiments.ddp`.
 
 Source: Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training"
 (VLDB), Sec. 3.2 (bucketing, overlap, no_sync); PyTorch documentation, "DistributedDataParallel" and
@@ -40,52 +45,25 @@ Source: Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data P
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-
-from scalebook.accounting.comm import alpha_beta_time
-from scalebook.accounting.flops import training_flops_with_attention
-from scalebook.accounting.params import param_count
-from scalebook.configs import ModelConfig
-from scalebook.data import default_corpus, get_batch, tokenize
-from scalebook.comm.collectives import ALL_REDUCES
-from scalebook.comm.traffic import count_traffic
-from scalebook.model import GPT, GPTConfig
-from scalebook.train import TrainConfig, lr_at, make_optimizer
 
 MIB = 1024 * 1024  # torch DDP's bucket_cap_mb counts mebibytes
 DEFAULT_BUCKET_CAP_MB = 25.0
 
 
-@dataclass
-class Span:
-    """An interval of one rank's wall-clock time in ``time.perf_counter`` seconds.
-
-    On Linux that clock is the system-wide monotonic clock, so spans of ranks on one machine share an axis.
-    """
-
-    kind: str  # "forward", "backward", "sync", "optimizer" or "all-reduce"
-    start: float
-    end: float = math.nan  # an asynchronous all-reduce fills it in when it completes
-    detail: str = ""
-
-
 @torch.no_grad()
-def broadcast_from_rank0(module: nn.Module, process_group=None) -> None:
-    """Overwrite every parameter and buffer with rank 0's copy, so that all replicas start equal.
+def broadcast_from_rank0(tensors: Iterable[torch.Tensor], process_group=None) -> None:
+    """Overwrite every tensor with rank 0's copy (the group's first rank), so that all replicas agree.
 
     The tensors travel flattened into one message per dtype, paying the latency once rather than once per
     tensor (torch DDP coalesces them the same way, in messages of up to 250 MiB).
     """
-    tensors = [*module.parameters(), *module.buffers()]
+    tensors = list(tensors)
     for dtype in dict.fromkeys(t.dtype for t in tensors):
         same_dtype = [t for t in tensors if t.dtype == dtype]
         flat = torch.cat([t.reshape(-1) for t in same_dtype])
@@ -96,15 +74,36 @@ def broadcast_from_rank0(module: nn.Module, process_group=None) -> None:
             offset += t.numel()
 
 
+@dataclass
+class GradBucket:
+    """What a communication hook is handed: torch's ``GradBucket`` interface, so hooks written for torch
+    DDP (``hook(state, bucket) -> Future[Tensor]``) run on the book's versions unchanged."""
+
+    bucket_index: int
+    flat: torch.Tensor  # this rank's gradients, back to back
+    params: list[nn.Parameter]
+
+    def index(self) -> int:
+        return self.bucket_index
+
+    def buffer(self) -> torch.Tensor:
+        return self.flat
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.params
+
+
 class DataParallel(nn.Module):
-    """What the three versions share: hold the module, broadcast rank 0's weights, ``no_sync()``.
+    """What the three versions share: hold the module, broadcast rank 0's state, ``no_sync()``, reduce."""
 
-    ``all_reduce`` is the collective that sums the gradients: ``None`` for the library's
-    ``dist.all_reduce``, or a from-scratch one such as ``scalebook.comm.collectives.ring_all_reduce``
-    (called as ``all_reduce(tensor, group)``, blocking), whose every ``isend`` ``count_traffic`` sees.
-    """
-
-    def __init__(self, module: nn.Module, process_group=None, *, all_reduce: Callable | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group=None,
+        *,
+        forward_sync_buffers: bool = True,
+        find_unused_parameters: bool = False,
+    ):
         if not dist.is_initialized():
             raise ValueError(
                 "no process group: run under scalebook.comm.launch or torchrun, after dist.init_process_group"
@@ -114,16 +113,25 @@ class DataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.process_group = process_group
-        self.all_reduce = all_reduce
         self.world_size = dist.get_world_size(process_group)
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.forward_sync_buffers = forward_sync_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.params = [p for p in module.parameters() if p.requires_grad]  # each shared Parameter once
         self.names = {p: name for name, p in module.named_parameters()}
         self.require_backward_grad_sync = True
-        self.spans: list[Span] | None = None  # a list here records every all-reduce's launch and completion
-        broadcast_from_rank0(module, process_group)
+        self.sync_buffers_next_forward = True  # torch's require_forward_param_sync
+        self.comm_hook: tuple[object, Callable] | None = None
+        broadcast_from_rank0([*module.parameters(), *module.buffers()], process_group)
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        buffers = list(self.module.buffers())
+        # As torch DDP: rank 0's buffers (say BatchNorm's running statistics) before each forward that
+        # follows a synchronising one, so that every replica computes with the same state.
+        if self.forward_sync_buffers and self.sync_buffers_next_forward and buffers:
+            broadcast_from_rank0(buffers, self.process_group)
+        output = self.module(*args, **kwargs)
+        self.sync_buffers_next_forward = torch.is_grad_enabled() and self.require_backward_grad_sync
+        return output
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -134,55 +142,64 @@ class DataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """Reduce with ``hook(state, bucket)`` instead of dividing by the world size and all-reducing.
+
+        As in torch DDP, ``bucket`` offers ``index()``, ``buffer()`` and ``parameters()`` and the hook
+        returns a ``torch.futures.Future`` of the averaged buffer. Register it before the first backward.
+        """
+        self.comm_hook = (state, hook)
+
     def sync_gradients(self) -> None:
         """Leave every replica's ``.grad`` holding the mean over ranks. Call it before ``optimizer.step()``."""
         raise NotImplementedError
 
-    def _grad(self, p: nn.Parameter) -> torch.Tensor:
-        if p.grad is None:
-            raise RuntimeError(
-                f"parameter {self.names[p]} got no gradient: this implementation assumes every parameter is "
-                "used in every step (torch DDP handles unused ones with find_unused_parameters=True)"
-            )
-        return p.grad
+    def _reduce(self, index: int, flat: torch.Tensor, params: list[nn.Parameter]) -> torch.futures.Future:
+        """Start averaging ``flat`` over the ranks; return the future of the averaged tensor."""
+        if self.comm_hook is not None:
+            state, hook = self.comm_hook
+            return hook(state, GradBucket(index, flat, params))
+        flat.div_(self.world_size)  # divide first (as torch DDP does): a sum of means cannot overflow
+        work = dist.all_reduce(flat, group=self.process_group, async_op=True)
+        return work.get_future().then(lambda future: future.value()[0])
 
-    def _all_reduce(self, tensor: torch.Tensor, detail: str, *, async_op: bool = False):
-        """Sum ``tensor`` over the ranks in place; with ``async_op`` return at once with the work handle.
+    def _local_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """``p.grad``, or zeros for a parameter this rank's backward did not reach: every rank must still
+        send its slot, or the ranks would disagree about the collectives."""
+        return p.grad if p.grad is not None else torch.zeros_like(p)
 
-        A from-scratch ``all_reduce`` is blocking: it has finished on return, and its handle is a done future.
-        """
-        span = Span("all-reduce", time.perf_counter(), detail=detail)
-        if self.all_reduce is not None:
-            self.all_reduce(tensor, self.process_group)
-            work, async_op = done_future(tensor), False
-        else:
-            work = dist.all_reduce(tensor, group=self.process_group, async_op=async_op)
-        if self.spans is not None:
-            self.spans.append(span)
-            if async_op:
-                work.get_future().add_done_callback(lambda _: setattr(span, "end", time.perf_counter()))
-            else:
-                span.end = time.perf_counter()
-        return work
+    def _unused_everywhere(self) -> set[nn.Parameter]:
+        """With ``find_unused_parameters``, the parameters that got no gradient on any rank (one all-reduce
+        of a flag per parameter, issued by every rank); otherwise none."""
+        if not self.find_unused_parameters:
+            return set()
+        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32, device=self.params[0].device)
+        dist.all_reduce(used, group=self.process_group)
+        return {p for p, count in zip(self.params, used.tolist(), strict=True) if count == 0}
 
 
-def done_future(value) -> torch.futures.Future:
-    """A future that has already completed with ``value`` (what a blocking all-reduce hands back)."""
-    future = torch.futures.Future()
-    future.set_result(value)
-    return future
+def set_grad(p: nn.Parameter, mean: torch.Tensor, unused: set[nn.Parameter]) -> None:
+    """Give ``p`` the averaged gradient, unless no rank used it (its ``.grad`` then stays ``None``)."""
+    if p in unused:
+        return
+    if p.grad is None:
+        p.grad = mean.clone()
+    elif p.grad is not mean:  # version 1 reduces .grad in place
+        p.grad.copy_(mean)
 
 
 class AllReduceDDP(DataParallel):
     """Version 1: after backward, all-reduce every parameter's gradient, one collective each."""
 
     def sync_gradients(self) -> None:
-        """All-reduce each parameter's gradient in place, divided by the number of ranks."""
+        """All-reduce each parameter's gradient, divided by the number of ranks."""
         # Gradients accumulate locally until this call, so no_sync() has nothing to switch off here.
-        for p in reversed(self.params):  # any order works, as long as every rank uses the same one
-            grad = self._grad(p)
-            grad.div_(self.world_size)  # divide first (as torch DDP does): a sum of means cannot overflow
-            self._all_reduce(grad, self.names[p])
+        means = {}
+        for index, p in enumerate(reversed(self.params)):  # any order works, if every rank uses the same one
+            means[p] = self._reduce(index, self._local_grad(p), [p]).wait()
+        unused = self._unused_everywhere()
+        for p, mean in means.items():
+            set_grad(p, mean, unused)
 
 
 def assign_buckets(params: list[nn.Parameter], bucket_cap_bytes: int) -> list[list[nn.Parameter]]:
@@ -208,17 +225,24 @@ class Bucket:
         self.index = index
         self.params = params
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        self.views, offset = {}, 0  # each parameter's slice of the buffer, shaped like the parameter
+        self.offsets, offset = {}, 0  # where each parameter's gradient starts in the buffer
         for p in params:
-            self.views[p] = self.buffer[offset : offset + p.numel()].view_as(p)
+            self.offsets[p] = offset
             offset += p.numel()
-        self.ready = 0  # gradients of this backward copied in so far (OverlappedDDP)
-        self.work = None  # its all-reduce while in flight (OverlappedDDP)
+        self.ready: set[nn.Parameter] = set()  # gradients of this backward copied in so far (OverlappedDDP)
+        self.future: torch.futures.Future | None = None  # its all-reduce while in flight (OverlappedDDP)
 
-    def unpack(self) -> None:
-        """Copy each parameter's slice of the (reduced) buffer back into its ``.grad``."""
+    def slot(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s slice of ``flat`` (the buffer, or the reduced copy a hook returns), shaped like ``p``."""
+        return flat[self.offsets[p] : self.offsets[p] + p.numel()].view_as(p)
+
+    def pack(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        self.slot(self.buffer, p).copy_(grad)
+
+    def unpack(self, reduced: torch.Tensor, unused: set[nn.Parameter]) -> None:
+        """Copy each parameter's slice of the reduced buffer into its ``.grad``."""
         for p in self.params:
-            p.grad.copy_(self.views[p])
+            set_grad(p, self.slot(reduced, p), unused)
 
 
 class BucketedDDP(DataParallel):
@@ -230,7 +254,8 @@ class BucketedDDP(DataParallel):
         process_group=None,
         *,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-        all_reduce: Callable | None = None,
+        forward_sync_buffers: bool = True,
+        find_unused_parameters: bool = False,
     ):
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
             raise ValueError(
@@ -242,17 +267,20 @@ class BucketedDDP(DataParallel):
                 f"parameters of several dtypes/devices {sorted(map(str, kinds))} cannot share a "
                 "flat bucket; move the model to one device and dtype first"
             )
-        super().__init__(module, process_group, all_reduce=all_reduce)
+        super().__init__(module, process_group, forward_sync_buffers=forward_sync_buffers,
+                         find_unused_parameters=find_unused_parameters)  # fmt: skip
         self.buckets = [Bucket(i, ps) for i, ps in enumerate(assign_buckets(self.params, int(bucket_cap_mb * MIB)))]
 
     def sync_gradients(self) -> None:
         """Copy the gradients into the buckets, all-reduce each bucket, copy the means back into ``.grad``."""
+        means = []
         for bucket in self.buckets:
             for p in bucket.params:
-                bucket.views[p].copy_(self._grad(p))
-            bucket.buffer.div_(self.world_size)
-            self._all_reduce(bucket.buffer, f"bucket {bucket.index}")
-            bucket.unpack()
+                bucket.pack(p, self._local_grad(p))
+            means.append(self._reduce(bucket.index, bucket.buffer, bucket.params).wait())
+        unused = self._unused_everywhere()
+        for bucket, mean in zip(self.buckets, means, strict=True):
+            bucket.unpack(mean, unused)
 
 
 class OverlappedDDP(BucketedDDP):
@@ -264,359 +292,63 @@ class OverlappedDDP(BucketedDDP):
         process_group=None,
         *,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-        all_reduce: Callable | None = None,
+        forward_sync_buffers: bool = True,
+        find_unused_parameters: bool = False,
     ):
-        super().__init__(module, process_group, bucket_cap_mb=bucket_cap_mb, all_reduce=all_reduce)
+        super().__init__(module, process_group, bucket_cap_mb=bucket_cap_mb, forward_sync_buffers=forward_sync_buffers,
+                         find_unused_parameters=find_unused_parameters)  # fmt: skip
         self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
         self.next_bucket = 0  # buckets launch in index order on every rank, so the collectives match up
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def forward(self, *args, **kwargs):
+        if any(bucket.ready for bucket in self.buckets):
+            raise RuntimeError(
+                "the last backward's all-reduces were never waited for: call sync_gradients() after the last "
+                "backward of a step (and wrap the micro-batches before it in no_sync())"
+            )
+        return super().forward(*args, **kwargs)
 
     def _gradient_ready(self, p: nn.Parameter) -> None:
         """Autograd calls this once ``p.grad`` holds the gradient of the current backward pass."""
         if not self.require_backward_grad_sync:
             return  # accumulating: the gradient waits in p.grad for the last micro-batch
         bucket = self.bucket_of[p]
-        bucket.views[p].copy_(p.grad)
-        bucket.ready += 1
-        # A bucket that completes early waits for its predecessors: all ranks must issue the same
-        # collectives in the same order, whatever order their gradients happen to arrive in.
+        if bucket.future is not None:
+            raise RuntimeError(f"{self.names[p]} got a second gradient while its bucket was being reduced: call "
+                               "sync_gradients() between backward passes outside no_sync()")  # fmt: skip
+        bucket.pack(p, p.grad)
+        bucket.ready.add(p)
+        self._launch_buckets()
+
+    def _launch_buckets(self, *, incomplete_too: bool = False) -> None:
+        """Launch the complete buckets in index order, stopping at the first incomplete one (or, with
+        ``incomplete_too``, launching it as well, with its missing gradients taken from ``.grad`` or zeros).
+
+        A bucket that completes early waits for its predecessors: all ranks must issue the same
+        collectives in the same order, whatever order their gradients happen to arrive in.
+        """
         while self.next_bucket < len(self.buckets):
             bucket = self.buckets[self.next_bucket]
-            if bucket.ready < len(bucket.params):
-                break
-            bucket.buffer.div_(self.world_size)
-            bucket.work = self._all_reduce(bucket.buffer, f"bucket {bucket.index}", async_op=True)
+            if len(bucket.ready) < len(bucket.params) and not incomplete_too:
+                return
+            for p in bucket.params:
+                if p not in bucket.ready:
+                    bucket.pack(p, self._local_grad(p))
+            bucket.future = self._reduce(bucket.index, bucket.buffer, bucket.params)
             self.next_bucket += 1
 
     def sync_gradients(self) -> None:
-        """Wait for the all-reduces that backward started, then copy the means back into ``.grad``."""
-        if self.next_bucket < len(self.buckets):
-            raise RuntimeError(
-                f"only {self.next_bucket} of {len(self.buckets)} buckets were sent: call sync_gradients() once, "
-                "after a backward pass outside no_sync()"
-            )
-        for bucket in self.buckets:
-            bucket.work.wait()
-            bucket.unpack()
-            bucket.ready, bucket.work = 0, None
+        """Wait for the all-reduces that backward started, then copy the means back into ``.grad``.
+
+        Buckets that backward did not complete (a parameter unused in this forward, or a backward run
+        entirely inside ``no_sync()``) are launched here, in the same order as on every other rank.
+        """
+        self._launch_buckets(incomplete_too=True)
+        means = [bucket.future.wait() for bucket in self.buckets]
+        unused = self._unused_everywhere()
+        for bucket, mean in zip(self.buckets, means, strict=True):
+            bucket.unpack(mean, unused)
+            bucket.ready, bucket.future = set(), None
         self.next_bucket = 0
-
-
-VERSIONS = {"allreduce": AllReduceDDP, "bucketed": BucketedDDP, "overlapped": OverlappedDDP}
-# Two references run through the same loop: PyTorch's own DDP, and one process without any communication.
-REFERENCES = ("torch", "single")
-
-
-# ----- Experiments: run on every rank of a launch (scalebook.comm.launch) ---------------------------------
-
-
-@dataclass
-class TorchDDPProbe:
-    """What the communication hook saw of torch DDP's last backward: its buckets and their all-reduces."""
-
-    names: dict[int, str]  # id(parameter) -> name
-    spans: list[Span] = field(default_factory=list)
-    buckets: dict[int, list[str]] = field(default_factory=dict)  # bucket index -> parameter names
-    all_reduce: Callable | None = None  # a blocking from-scratch all-reduce instead of dist.all_reduce
-
-
-def probed_allreduce_hook(probe: TorchDDPProbe, bucket):
-    """torch DDP's default all-reduce hook, issued from Python so that ``count_traffic`` and the probe see it.
-
-    ``bucket`` is a ``torch.distributed.GradBucket``; the function returns the future of the reduced buffer.
-    (No annotations: ``register_comm_hook`` compares them with the real types, and this module's are strings.)
-    """
-    probe.buckets[bucket.index()] = [probe.names[id(p)] for p in bucket.parameters()]
-    span = Span("all-reduce", time.perf_counter(), detail=f"bucket {bucket.index()}")
-    probe.spans.append(span)
-    tensor = bucket.buffer().div_(dist.get_world_size())
-    if probe.all_reduce is not None:
-        probe.all_reduce(tensor, None)
-        span.end = time.perf_counter()
-        return done_future(tensor)
-
-    def done(future):
-        span.end = time.perf_counter()
-        return future.value()[0]
-
-    return dist.all_reduce(tensor, async_op=True).get_future().then(done)
-
-
-@functools.cache
-def _corpus_tokens() -> torch.Tensor:
-    return tokenize(default_corpus())
-
-
-class DataParallelRun:
-    """One rank's replica in a training run: the model, its data-parallel wrapper, optimizer and data.
-
-    ``version`` is one of ``VERSIONS``, ``"torch"`` (``DistributedDataParallel``) or ``"single"`` (one
-    process training on the whole global batch, no communication). The model is a :class:`scalebook.model.GPT` in
-    ``dtype``, trained on ``tokens`` (the default corpus, byte-level, if None). Each replica is initialised
-    from a different seed (``seed + rank``): only the broadcast from rank 0 makes them equal. With
-    ``probe``, all-reduces are recorded as :class:`Span` objects (for torch DDP through
-    :func:`probed_allreduce_hook`). ``all_reduce`` is ``"library"`` (``dist.all_reduce``) or one of the
-    from-scratch all-reduces of :mod:`scalebook.comm.collectives` (``"ring"``, ``"tree"``, ``"naive"``), for
-    every version. With ``record_grads``, each step keeps in ``grads`` the gradients the optimizer receives,
-    before clipping.
-    """
-
-    def __init__(
-        self,
-        version: str,
-        model_config: GPTConfig,
-        train_config: TrainConfig,
-        *,
-        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-        tokens: torch.Tensor | None = None,
-        dtype: torch.dtype = torch.float32,
-        probe: bool = False,
-        all_reduce: str = "library",
-        record_grads: bool = False,
-    ):
-        if version not in (*VERSIONS, *REFERENCES):
-            raise ValueError(f"version must be one of {(*VERSIONS, *REFERENCES)}, got {version!r}")
-        if all_reduce != "library" and all_reduce not in ALL_REDUCES:
-            raise ValueError(f"all_reduce must be 'library' or one of {sorted(ALL_REDUCES)}, got {all_reduce!r}")
-        if train_config.seq_len > model_config.block_size:
-            raise ValueError(f"seq_len {train_config.seq_len} exceeds block_size {model_config.block_size}")
-        if version != "single" and not dist.is_initialized():
-            raise ValueError(f"version {version!r} needs a process group: run it under scalebook.comm.launch")
-        self.version, self.cfg = version, train_config
-        self.rank, self.world_size = (0, 1) if version == "single" else (dist.get_rank(), dist.get_world_size())
-        self.tokens = _corpus_tokens() if tokens is None else tokens
-        torch.manual_seed(train_config.seed + self.rank)
-        self.model = GPT(model_config).to(dtype)
-        self.spans: list[Span] = []
-        self.probe = None
-        self.record_grads, self.grads = record_grads, {}
-        from_scratch = ALL_REDUCES.get(all_reduce)  # None: the library's dist.all_reduce
-        if version == "torch":
-            self.wrapped = DistributedDataParallel(self.model, bucket_cap_mb=bucket_cap_mb)
-            if probe or from_scratch is not None:
-                self.probe = TorchDDPProbe({id(p): n for n, p in self.model.named_parameters()}, self.spans,
-                                           all_reduce=from_scratch)  # fmt: skip
-                self.wrapped.register_comm_hook(self.probe, probed_allreduce_hook)
-        elif version == "single":
-            self.wrapped = self.model
-        else:
-            kwargs = {} if version == "allreduce" else {"bucket_cap_mb": bucket_cap_mb}
-            self.wrapped = VERSIONS[version](self.model, all_reduce=from_scratch, **kwargs)
-            self.wrapped.spans = self.spans if probe else None
-        self.optimizer = make_optimizer(self.model, train_config)
-        # The same seed on every rank: all draw the same global batch and keep their own rows of it.
-        self.generator = torch.Generator().manual_seed(train_config.seed)
-
-    @contextlib.contextmanager
-    def _timed(self, kind: str):
-        start = time.perf_counter()
-        yield
-        self.spans.append(Span(kind, start, time.perf_counter()))
-
-    def step(self, step: int) -> float:
-        """One optimizer step over ``grad_accum`` micro-batches; returns this rank's mean loss."""
-        cfg = self.cfg
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        x, y = get_batch(
-            self.tokens,
-            cfg.batch_size * cfg.grad_accum,
-            cfg.seq_len,
-            self.generator,
-            rank=self.rank,
-            world_size=self.world_size,
-        )
-        self.spans.clear()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for i, (xb, yb) in enumerate(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum), strict=True)):
-            local = i < cfg.grad_accum - 1 and self.version != "single"
-            with self.wrapped.no_sync() if local else contextlib.nullcontext():
-                with self._timed("forward"):
-                    _, loss = self.wrapped(xb, yb)
-                with self._timed("backward"):
-                    (loss / cfg.grad_accum).backward()
-            loss_sum += loss.item()
-        if isinstance(self.wrapped, DataParallel):
-            with self._timed("sync"):
-                self.wrapped.sync_gradients()
-        if self.record_grads:  # the averaged gradient, before clipping and the optimizer change anything
-            self.grads = {name: p.grad.detach().clone() for name, p in self.model.named_parameters()}
-        with self._timed("optimizer"):
-            if cfg.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-            self.optimizer.step()
-        return loss_sum / cfg.grad_accum
-
-    def buckets(self) -> list[list[str]] | None:
-        """Parameter names of each bucket, in launch order (None for per-parameter or no communication)."""
-        if isinstance(self.wrapped, BucketedDDP):
-            return [[self.wrapped.names[p] for p in b.params] for b in self.wrapped.buckets]
-        if self.probe is not None:
-            return [self.probe.buckets[i] for i in sorted(self.probe.buckets)]
-        return None
-
-
-def train_data_parallel(
-    version: str,
-    model_config: GPTConfig,
-    train_config: TrainConfig,
-    *,
-    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-    tokens: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
-    keep_params: bool = False,
-    keep_grads: bool = False,
-    all_reduce: str = "library",
-) -> dict:
-    """Train one :class:`DataParallelRun` for ``train_config.steps`` steps on this rank and report it.
-
-    Each rank takes ``batch_size * grad_accum`` sequences per step, so the global batch is that times the
-    world size. Returns ``losses`` (the global mean loss of each step), ``step_times`` (s), the collective
-    ``calls`` and ``bytes_sent`` of each step (counted by :func:`scalebook.comm.traffic.count_traffic`; for
-    ``"torch"`` through a communication hook), the last step's ``spans`` and ``buckets``, and, with
-    ``keep_params``, the final ``params``; with ``keep_grads``, the ``grads`` of the first step as the
-    optimizer receives them (averaged over ranks, not yet clipped). ``tokens``, ``dtype`` and ``all_reduce``
-    are as in :class:`DataParallelRun`. With a from-scratch ``all_reduce`` (say ``"ring"``) the bytes are
-    counted at its ``isend`` calls, so they are measured (and ``calls`` counts its ``isend``/``irecv``
-    calls); with the library's, ``count_traffic`` can only charge each call the ring algorithm's bytes.
-    """
-    run = DataParallelRun(
-        version, model_config, train_config, bucket_cap_mb=bucket_cap_mb, tokens=tokens, dtype=dtype, probe=True,
-        all_reduce=all_reduce, record_grads=keep_grads,
-    )  # fmt: skip
-    first_grads = None
-    losses, step_times, calls, bytes_sent = [], [], [], []
-    for step in range(train_config.steps):
-        with count_traffic() as traffic:
-            start = time.perf_counter()
-            losses.append(run.step(step))
-            step_times.append(time.perf_counter() - start)
-        calls.append(traffic.count())
-        bytes_sent.append(traffic.bytes_sent())
-        if keep_grads and first_grads is None:
-            first_grads = run.grads
-    mean_losses = torch.tensor(losses, dtype=torch.float64)
-    if version != "single":  # one more collective, after counting: the logged loss is the global mean
-        dist.all_reduce(mean_losses)
-        mean_losses /= run.world_size
-    result = {
-        "losses": mean_losses.tolist(),
-        "step_times": step_times,
-        "calls": calls,
-        "bytes_sent": bytes_sent,
-        "spans": list(run.spans),
-        "buckets": run.buckets(),
-    }
-    if keep_grads:
-        result["grads"] = first_grads
-    if keep_params:
-        result["params"] = {name: p.detach().clone() for name, p in run.model.named_parameters()}
-    return result
-
-
-def compare_step_times(setups: dict[str, dict], model_config: GPTConfig, train_config: TrainConfig) -> dict:
-    """Step times (s) of several setups trained side by side on this rank, one step of each in turn.
-
-    ``setups[label]`` holds :class:`DataParallelRun` arguments (``version``, ``bucket_cap_mb``, and
-    optionally its own ``train_config`` with the same number of steps). Interleaving the steps, in an
-    order that rotates from step to step, exposes every setup to the same background load of a shared
-    machine. Returns ``{label: [seconds of step 0, step 1, ...]}``; step 0 pays one-off costs.
-    """
-    if any(kwargs.get("train_config", train_config).steps != train_config.steps for kwargs in setups.values()):
-        raise ValueError("every setup must train for the same number of steps as train_config")
-    runs = {
-        label: DataParallelRun(**{"model_config": model_config, "train_config": train_config, **kwargs})
-        for label, kwargs in setups.items()
-    }
-    labels = list(runs)
-    times = {label: [] for label in labels}
-    for step in range(train_config.steps):
-        shift = step % len(labels)
-        for label in labels[shift:] + labels[:shift]:  # the same collectives in the same order on every rank
-            start = time.perf_counter()
-            runs[label].step(step)
-            times[label].append(time.perf_counter() - start)
-    return times
-
-
-def run_experiments(**experiments: tuple[Callable, dict]) -> dict:
-    """Run ``name=(function, kwargs)`` experiments in order on this rank: one launch, many results.
-
-    Starting ranks is the slow part of a small demo (seconds each), so a chapter launches once and runs
-    everything it needs inside that launch.
-    """
-    return {name: function(**kwargs) for name, (function, kwargs) in experiments.items()}
-
-
-def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def hidden_communication(spans: list[Span]) -> float:
-    """The share of a step's all-reduce time (the union of the all-reduce spans) that runs while
-    backward computes: 0 when communication starts after backward, 1 when backward covers all of it."""
-    comm = _merged([(s.start, s.end) for s in spans if s.kind == "all-reduce"])
-    backward = _merged([(s.start, s.end) for s in spans if s.kind == "backward"])
-    total = sum(end - start for start, end in comm)
-    if total == 0:
-        raise ValueError("these spans hold no all-reduce: record a step of a data-parallel run")
-    covered = sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in comm for s2, e2 in backward)
-    return covered / total
-
-
-# ----- What the same step would cost on GPUs ---------------------------------------------------------------
-
-
-def predicted_step_time(
-    model: ModelConfig,
-    tokens_per_rank: int,
-    ranks: int,
-    *,
-    seq_len: int,
-    peak_flops: float,
-    mfu: float,
-    bandwidth: float,
-    alpha: float,
-    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-    grad_bytes: int = 4,
-) -> dict[str, float]:
-    """Seconds of one data-parallel step by the alpha-beta model: ``compute``, ``comm``, and the step
-    ``serial`` (all-reduces after backward) and ``overlapped`` (each bucket's all-reduce launched as soon
-    as backward has produced it, as in :class:`OverlappedDDP`).
-
-        compute    = F(tokens_per_rank) / (mfu * peak_flops)       forward 1/3 of it, backward 2/3
-        comm       = k c,  c = T_ring-all-reduce(M / k),  M = grad_bytes * params,  k = ceil(M / bucket cap)
-        serial     = compute + comm
-        overlapped = compute / 3 + max(2 compute / 3 + c,  2 compute / (3 k) + comm)
-
-    The overlapped time assumes ``k`` equal buckets that backward completes at an even pace, one every
-    ``2 compute / (3 k)``, and all-reduces that run one at a time, each starting when its bucket is complete
-    and the previous all-reduce is done. The step ends with the last all-reduce. Either backward is the
-    bottleneck: then the last bucket, complete only when backward ends, is still all-reduced after it, so
-    at least ``c`` is always exposed; or the link is: then all-reduces run back to back from the moment
-    the first bucket is complete. With one bucket (``k = 1``) nothing overlaps and the step is ``serial``.
-    """
-    if ranks < 1 or tokens_per_rank < 1:
-        raise ValueError(f"ranks and tokens_per_rank must be >= 1, got {ranks} and {tokens_per_rank}")
-    compute = training_flops_with_attention(model, tokens_per_rank, seq_len=seq_len) / (mfu * peak_flops)
-    grad_message = grad_bytes * param_count(model)
-    n_buckets = math.ceil(grad_message / (bucket_cap_mb * MIB))
-    per_bucket = alpha_beta_time("all_reduce", grad_message / n_buckets, ranks, alpha=alpha, bandwidth=bandwidth)
-    comm = n_buckets * per_bucket
-    backward = 2 * compute / 3
-    # Bucket i (0-based) is complete at compute/3 + (i+1) backward/k; the all-reduces end at
-    # compute/3 + max_i ((i+1) backward/k + (k-i) c), linear in i, so the first or the last bucket decides.
-    return {
-        "compute": compute,
-        "comm": comm,
-        "serial": compute + comm,
-        "overlapped": compute / 3 + max(backward + per_bucket, backward / n_buckets + comm),
-    }
