@@ -147,10 +147,6 @@ class ParallelDims:
         """The ranks that hold the same parameters and average their gradients: dp x cp."""
         return self.dp * self.cp
 
-    def degrees(self) -> dict[str, int]:
-        """``{"pp": .., "dp": .., "cp": .., "tp": ..}``, outermost first."""
-        return {name: getattr(self, name) for name in DIMS}
-
     def coordinates(self, rank: int) -> dict[str, int]:
         """Rank -> its index along every dimension (tp innermost), plus its ``ep`` index within dp."""
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
@@ -277,12 +273,6 @@ class DeviceMesh:
         """This rank's process group along ``dim`` (one of ``GROUPS``, or ``"tied"``, see
         :func:`tied_embedding_group`)."""
         return self._groups[dim]
-
-    def neighbour(self, dim: str, step: int) -> int:
-        """Global rank of the rank ``step`` positions away along ``dim`` (other coordinates equal)."""
-        coords = {name: self.coords[name] for name in DIMS}
-        coords[dim] += step
-        return self.dims.rank_of(**coords)
 
 
 def tied_embedding_group(mesh: DeviceMesh):

@@ -54,6 +54,8 @@ class ParallelModel:
         self.expert_params = {id(p) for p in _expert_parameters(model)}
 
     def group(self, dim: str):
+        """This rank's process group along ``dim`` (see :class:`~scalebook.parallel.dims.DeviceMesh`); None
+        on one process."""
         return self.mesh.group(dim) if self.mesh else None
 
     # ----- one step --------------------------------------------------------------------------------

@@ -210,7 +210,8 @@ class _Log:
             spec = configs.ModelConfig.from_gpt_config(model_config(args), name=args.model)
             self.flops_per_token = accounting.flops_per_token(spec)
 
-    def __call__(self, record, held_bytes: int) -> None:
+    def __call__(self, record, model) -> None:
+        """Log ``record``, a StepRecord of ``model`` (a ParallelModel), if this rank logs and the step is due."""
         if not self.on:
             return
         args = self.args
@@ -218,7 +219,7 @@ class _Log:
             tokens_per_s = args.global_batch * args.seq_len / record.step_time
             line = {"step": record.step, "loss": record.loss, "grad_norm": record.grad_norm, "lr": record.lr,
                     "world_size": self.dims.world_size, "step_time": record.step_time, "tokens_per_s": tokens_per_s,
-                    "state_bytes": held_bytes}  # fmt: skip
+                    "state_bytes": model.held_bytes()}  # fmt: skip
             if self.flops_per_token:
                 line["mfu"] = self.flops_per_token * tokens_per_s / (self.dims.world_size * args.peak_flops)
             text = json.dumps(line)
@@ -316,7 +317,7 @@ def run(args: argparse.Namespace) -> list:
         for record in training_steps(model, next_batch, cfg, start=start):
             records.append(record)
             losses.append(record.loss)
-            log(record, model.held_bytes())
+            log(record, model)
             if args.checkpoint_dir and (record.step % args.checkpoint_every == 0 or record.step == args.steps):
                 _save(args, model, record.step, generator, losses)
             _fail_if_asked(args, record.step, env.rank, env.world_size)
