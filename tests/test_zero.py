@@ -120,13 +120,15 @@ def _full_state(model, method) -> dict[str, torch.Tensor]:
 
 
 def _train(name, method, opt_name, *, dtype=torch.float64, mp_policy=None, accumulate=1, max_norm=None,
-           recompute=False) -> dict:  # fmt: skip
+           recompute=False, halve_lr=False) -> dict:  # fmt: skip
     """``STEPS`` steps of ``method``: the losses, the gradient norms before clipping, the full state after.
-    ``recompute``: the GPT recomputes each block's forward inside the backward pass (activation checkpointing)."""
+    ``recompute``: the GPT recomputes each block's forward inside the backward pass (activation checkpointing);
+    ``halve_lr``: a scheduler halves every group's learning rate after each step."""
     world, rank = (1, 0) if method == "single" else (dist.get_world_size(), dist.get_rank())
     model = _model(name, dtype)
     model.gradient_checkpointing = recompute
     model, optimizer = _wrap(model, method, opt_name, mp_policy)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step) if halve_lr else None
     losses, norms = [], []
     for x, y in _batches(name, rank, world, BATCH * (dist.get_world_size() if method == "single" else 1)):
         for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate), strict=True):
@@ -138,6 +140,8 @@ def _train(name, method, opt_name, *, dtype=torch.float64, mp_policy=None, accum
             norms.append(clip(model.parameters(), max_norm).item())
         optimizer.step()
         optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.item() * accumulate)
     return {"state": _full_state(model, method), "losses": losses, "norms": norms}
 
@@ -229,6 +233,11 @@ def run_everything() -> dict:
         for method in ("zero3", "single"):
             if method != "single" or dist.get_rank() == 0:
                 out["clip"][(name, method)] = _train(name, method, "sgd", max_norm=0.05)
+    out["scheduled"] = {
+        method: _train("toy", method, "sgd", halve_lr=True)
+        for method in ("zero1", "zero1-rs", "single")
+        if method != "single" or dist.get_rank() == 0
+    }
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # recompute whole blocks, their hooks too
         out["recompute"] = {method: _train("gpt", method, "adamw", recompute=True) for method in ("zero2", "zero3")}
     out["resume"] = {(name, method): _resumes_bit_identically(name, method)
@@ -288,6 +297,14 @@ def test_mixed_precision_equals_fsdp2_with_the_same_policy(ranks, precision, nam
 def test_gradient_accumulation_over_two_micro_batches_matches_one_process(ranks, name, method):
     runs = ranks[0]["accumulate"]
     assert _max_difference(runs[(name, method)]["state"], runs[(name, "single")]["state"]) < TOLERANCE
+
+
+@pytest.mark.parametrize("method", ["zero1", "zero1-rs"])
+def test_a_scheduler_setting_param_groups_lr_reaches_the_wrapped_optimizer(ranks, method):
+    # SGD's step is proportional to lr: a learning rate left at its first value would move every weight.
+    scheduled = ranks[0]["scheduled"]
+    assert _max_difference(scheduled[method]["state"], scheduled["single"]["state"]) < TOLERANCE
+    assert _max_difference(scheduled["single"]["state"], ranks[0]["runs"][("toy", "sgd", "single")]["state"]) > 1e-3
 
 
 @pytest.mark.parametrize("method", ["zero2", "zero3"])

@@ -19,6 +19,7 @@ Source: Rajbhandari et al. 2020 (ZeRO); PyTorch documentation, ``torch.distribut
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -157,7 +158,7 @@ def _all_gather(shard: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _peak_tracker(model: nn.Module) -> tuple[dict[str, int], callable]:
+def _peak_tracker(model: nn.Module) -> tuple[dict[str, int], Callable]:
     """``(peak, measure)``: ``measure()`` records the most parameter and gradient bytes ``model`` holds."""
     peak = {"params": 0, "grads": 0}
 
