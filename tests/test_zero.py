@@ -96,6 +96,11 @@ def _wrap(model, method, opt_name, mp_policy=None):
         wrapper = zero.ZeroRedundancyOptimizer if method == "zero1" else ZeroRedundancyOptimizer
         ddp = DistributedDataParallel(model, find_unused_parameters=isinstance(model, Toy))
         return ddp, wrapper(_param_groups(model), optimizer_class=optimizer_class, **options)
+    if method == "zero1-book-ddp":  # the book's DDP (Chapter 10), as the runtime composes them
+        from scalebook.parallel.ddp import OverlappedDDP
+
+        ddp = OverlappedDDP(model, find_unused_parameters=isinstance(model, Toy))
+        return ddp, zero.ZeroRedundancyOptimizer(_param_groups(model), optimizer_class, **options)
     if method == "zero1-rs":
         return model, zero.ZeroRedundancyOptimizer(_param_groups(model), optimizer_class,
                                                    reduce_scatter_gradients=True, **options)  # fmt: skip
@@ -135,6 +140,8 @@ def _train(name, method, opt_name, *, dtype=torch.float64, mp_policy=None, accum
             xs, ys = (t.to(dtype) if t.is_floating_point() else t for t in (xs, ys))
             loss = _loss(model, xs, ys) / accumulate
             loss.backward()
+        if hasattr(model, "sync_gradients"):
+            model.sync_gradients()
         if max_norm is not None:
             clip = torch.nn.utils.clip_grad_norm_ if method == "single" else zero.clip_grad_norm_
             norms.append(clip(model.parameters(), max_norm).item())
@@ -208,7 +215,7 @@ def _load_other_ranks_state():
     optimizer.load_state_dict(gathered[1 - dist.get_rank()])
 
 
-METHODS = ("zero1", "zero1-rs", "torch-zero1", "zero2", "fsdp2-keep", "zero3", "fsdp2")
+METHODS = ("zero1", "zero1-book-ddp", "zero1-rs", "torch-zero1", "zero2", "fsdp2-keep", "zero3", "fsdp2")
 PRECISIONS = {
     "bf16": zero.MixedPrecisionPolicy(torch.bfloat16),
     "fp16, fp32 reduce": zero.MixedPrecisionPolicy(torch.float16, torch.float32),

@@ -82,11 +82,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1: ``optimizer_class`` steps only this rank's 1/N of the elements, then all-gathers them.
 
     Like torch's: wrap the model in DDP (or the book's ``scalebook.parallel.ddp.OverlappedDDP``) so that ``.grad``
-    holds the averaged gradients when ``step()`` runs. Frozen parameters are skipped; a scheduler sets
-    ``param_groups[i]["lr"]``; ``state_dict()`` is this rank's shard (save one file per rank).
-    ``reduce_scatter_gradients=True`` is the ZeRO paper's stage 1 instead: no DDP, and ``step()``
-    reduce-scatters the local gradients, so that each rank receives only the mean of the slice it steps: the
-    all-reduce's bytes in all, where DDP's all-reduce and the all-gather send 1.5 times as many.
+    holds the averaged gradients when ``step()`` runs. Frozen parameters are skipped; a ``.grad`` of None counts
+    as zeros (torch.optim would skip the tensor; a flat shard cannot); a scheduler sets ``param_groups[i]["lr"]``;
+    ``state_dict()`` is this rank's shard (one file per rank). ``reduce_scatter_gradients=True`` is the ZeRO
+    paper's stage 1: no DDP, ``step()`` reduce-scatters the local gradients so that each rank receives only the
+    mean of the slice it steps: the all-reduce's bytes in all, where DDP's all-reduce and the all-gather send 1.5x.
     """
 
     def __init__(self, params, optimizer_class: type[torch.optim.Optimizer], process_group=None, *,
