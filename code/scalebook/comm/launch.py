@@ -230,41 +230,56 @@ def launch(
         ]
         for p in procs:
             p.start()
-        # The timeout counts from the moment every rank has joined the group: starting interpreters and
-        # importing torch (seconds per rank on a small machine) is not the function's fault.
-        deadline = time.monotonic() + STARTUP_ALLOWANCE + timeout
-        all_ready = False
-        outcomes: dict[int, dict] = {}
-        failed_at = None
-        try:
-            while any(p.is_alive() for p in procs):
-                now = time.monotonic()
-                if not all_ready and all((Path(outdir) / f"rank{r}.ready").exists() for r in range(world_size)):
-                    # A few seconds of grace so a rank's own collective timeout can report first.
-                    all_ready, deadline = True, now + timeout + 5.0
-                for rank in range(world_size):
-                    path = Path(outdir) / f"rank{rank}.pt"
-                    if rank not in outcomes and path.exists():
-                        outcomes[rank] = torch.load(path, weights_only=False)
-                # A rank that failed leaves its peers blocked in collectives: give them a moment, then stop.
-                if failed_at is None and (
-                    any(p.exitcode not in (None, 0) for p in procs) or any("error" in o for o in outcomes.values())
-                ):
-                    failed_at = now
-                if now > deadline or (failed_at is not None and now - failed_at > 2.0):
-                    break
-                time.sleep(0.02)
-        finally:
-            hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            for p in procs:
-                p.join()
+        outcomes, hung = _watch(procs, Path(outdir), timeout)
+    return _results_or_raise(outcomes, hung, procs, timeout)
+
+
+def _watch(procs: list, outdir: Path, timeout: float) -> tuple[dict[int, dict], list[int]]:
+    """Collect each rank's outcome file until all have finished, one failed (plus 2 s for its peers to
+    report), or the timeout passed; kill whatever still runs. Returns (outcomes by rank, hung ranks)."""
+    world_size = len(procs)
+    # The timeout counts from the moment every rank has joined the group: starting interpreters and
+    # importing torch (seconds per rank on a small machine) is not the function's fault.
+    deadline = time.monotonic() + STARTUP_ALLOWANCE + timeout
+    all_ready = False
+    outcomes: dict[int, dict] = {}
+    failed_at = None
+
+    def collect() -> None:
         for rank in range(world_size):
-            path = Path(outdir) / f"rank{rank}.pt"
+            path = outdir / f"rank{rank}.pt"
             if rank not in outcomes and path.exists():
                 outcomes[rank] = torch.load(path, weights_only=False)
+
+    try:
+        while any(p.is_alive() for p in procs):
+            now = time.monotonic()
+            if not all_ready and all((outdir / f"rank{r}.ready").exists() for r in range(world_size)):
+                # A few seconds of grace so a rank's own collective timeout can report first.
+                all_ready, deadline = True, now + timeout + 5.0
+            collect()
+            # A rank that failed leaves its peers blocked in collectives: give them a moment, then stop.
+            if failed_at is None and (
+                any(p.exitcode not in (None, 0) for p in procs) or any("error" in o for o in outcomes.values())
+            ):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now - failed_at > 2.0):
+                break
+            time.sleep(0.02)
+    finally:
+        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join()
+    collect()
+    return outcomes, hung
+
+
+def _results_or_raise(outcomes: dict[int, dict], hung: list[int], procs: list, timeout: float) -> list:
+    """Every rank's result in rank order, or one LaunchError naming the rank that failed first."""
+    world_size = len(procs)
     errors = {r: o["error"] for r, o in outcomes.items() if "error" in o}
     hang_note = (
         f"ranks {hung} of {world_size} were still running after {timeout:.0f} s and were killed; "
@@ -272,9 +287,7 @@ def launch(
     )
     if errors:
         first = min(errors, key=lambda r: outcomes[r]["failed_at"])
-        echoes = "".join(
-            f"\n  rank {r}: {errors[r].strip().splitlines()[-1]}" for r in sorted(errors) if r != first
-        )
+        echoes = "".join(f"\n  rank {r}: {errors[r].strip().splitlines()[-1]}" for r in sorted(errors) if r != first)
         raise LaunchError(
             f"rank {first} of {world_size} raised first:\n{errors[first]}"
             + (f"\nthen, probably as a consequence:{echoes}" if echoes else "")
@@ -287,4 +300,3 @@ def launch(
         codes = {r: procs[r].exitcode for r in missing}
         raise LaunchError(f"ranks {missing} died without reporting (exit codes {codes})")
     return [outcomes[r]["result"] for r in range(world_size)]
-
