@@ -167,7 +167,7 @@ IMPOSSIBLE = [
      "least as many micro-batches per step as stages, got --global-batch / (--micro-batch x dp) = 8 / (4 x 2) = 1"),
     (["--strategy", "ddp", "--cp", "2", "--seq-len", "30"], 2, "--cp 2: invalid context-parallel layout: ring "
      "attention cuts the sequence into 4 equal chunks, so seq_len (30) must be divisible by 4"),
-    (["--strategy", "zero3", "--pp", "2"], 4, "--strategy zero3 with --pp 2: ZeRO-3 reduce-scatters"),
+    (["--strategy", "zero3", "--pp", "2"], 4, "--strategy zero3 with --pp 2: ZeRO-3 is not composed with the 1F1B"),
     (["--strategy", "zero2", "--tp", "2"], 4, "--strategy zero2 with --tp 2: gathering the full model"),
     (["--strategy", "fsdp", "--tp", "2"], 4, "--strategy fsdp with --tp 2: FSDP2 composes with DTensor"),
     (["--strategy", "torch-ddp", "--pp", "2"], 4, "--strategy torch-ddp with --pp 2: PyTorch's DDP averages"),

@@ -40,9 +40,10 @@ DATA_PARALLEL = ("ddp", "torch-ddp", "fsdp", "zero1", "zero2", "zero3")
 SHARDED_GRADIENTS = ("fsdp", "zero2", "zero3")
 # The combinations parallelize() does not compose, and why (checked by ParallelDims.build): a data-parallel
 # wrapper or a dimension, and a dimension.
-_PER_MICRO_BATCH = ("reduce-scatters the gradients inside every backward pass, while the 1F1B schedule runs the "
-                    "micro-batches' backward passes between other micro-batches' forwards; use --strategy ddp "
-                    "or zero1 with --pp, which average once after the schedule")  # fmt: skip
+_PER_MICRO_BATCH = ("is not composed with the 1F1B schedule here: it reduce-scatters inside every backward pass "
+                    "(and ZeRO-3 gathers around every forward), which the schedule interleaves across "
+                    "micro-batches; use --strategy ddp or zero1 with --pp, which average once after the "
+                    "schedule")  # fmt: skip
 _OWN_EXPERTS = ("would average (or shard) each rank's own experts with the other replicas' different ones; use "
                 "--strategy ddp with --ep")  # fmt: skip
 UNSUPPORTED = {
