@@ -290,7 +290,8 @@ def run(args: argparse.Namespace) -> list:
 
     env = detect_env()
     dims = layout(args, env.world_size)
-    owns_group = env.world_size > 1 and not dist.is_initialized()
+    # A data-parallel wrapper needs a process group, even of one rank (--strategy fsdp on one process).
+    owns_group = (env.world_size > 1 or dims.data_parallel is not None) and not dist.is_initialized()
     if owns_group:
         init_from_env()
     _, device = backend_and_device(env.local_rank)
