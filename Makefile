@@ -33,7 +33,7 @@ book: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest notebooks tests --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-## check: the fast lane (about 2-3 min): ruff, then the unit and small distributed tests; leaves out what
+## check: the fast lane (about 3 min on 2 cores): ruff, then the unit and small distributed tests; leaves out what
 ## tests/conftest.py marks slow (notebooks, the book build, the browser, SLURM, CLI runs, launches of 4+ ranks)
 check: $(STAMP)
 	$(BIN)/ruff check code tests bench book/_ext
