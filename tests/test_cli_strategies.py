@@ -47,6 +47,7 @@ FOUR_RANKS = {
     "dp2 x pp2": ["--strategy", "3d", "--dp", "2", "--pp", "2"],  # each replica pipelines half the batch
     "zero1 dp2 x tp2": ["--strategy", "zero1", "--tp", "2"],
     "dp2 x cp2": ["--strategy", "ddp", "--cp", "2"],  # gradients averaged over the 4 dp x cp ranks
+    "tp2 x cp2": ["--strategy", "ddp", "--tp", "2", "--cp", "2"],  # ring attention over tensor-parallel heads
     "dp4 x ep2": ["--strategy", "ddp", "--ep", "2", *MOE],  # two replicas of each expert, averaged
 }
 
