@@ -1,4 +1,7 @@
-"""``python -m scalebook.train``: the command line of :mod:`scalebook.train.cli`."""
+"""``python -m scalebook.train``: the command line of :mod:`scalebook.train.cli`.
+
+Source: Python documentation, "__main__ — Top-level code environment" (``__main__.py`` in packages).
+"""
 
 import sys
 
