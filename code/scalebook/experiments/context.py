@@ -46,7 +46,7 @@ def compare_ring_attention(
     timed_seq_len: int | None = None,
 ) -> dict[str, dict]:
     """On every rank of the default group (run it with :func:`scalebook.comm.launch`): ring attention
-    against :func:`causal_attention` on the whole sequence, for each split in ``splits``.
+    against :func:`~scalebook.parallel.context.causal_attention` on the whole sequence, for each split in ``splits``.
 
     Every rank draws the same Q, K, V and output gradient, computes the one-rank reference and ring
     attention on its own shard, gathers the shards and reports, per split, the largest deviations of the

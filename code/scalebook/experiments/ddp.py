@@ -337,7 +337,7 @@ def predicted_step_time(
 ) -> dict[str, float]:
     """Seconds of one data-parallel step by the alpha-beta model: ``compute``, ``comm``, and the step
     ``serial`` (all-reduces after backward) and ``overlapped`` (each bucket's all-reduce launched as soon
-    as backward has produced it, as in :class:`OverlappedDDP`).
+    as backward has produced it, as in :class:`~scalebook.parallel.ddp.OverlappedDDP`).
 
         compute    = F(tokens_per_rank) / (mfu * peak_flops)       forward 1/3 of it, backward 2/3
         comm       = k c,  c = T_ring-all-reduce(M / k),  M = grad_bytes * params,  k = ceil(M / bucket cap)

@@ -45,12 +45,14 @@ __all__ = [
 
 
 def compare_expert_parallel(*, tokens_per_rank: int = 32, config: MoEConfig | None = None, seed: int = 0) -> dict:
-    """On every rank (run it with :func:`scalebook.comm.launch`): expert-parallel MoE against one :class:`MoE`
+    """On every rank (run it with :func:`scalebook.comm.launch`): expert-parallel MoE against one
+    :class:`~scalebook.parallel.expert.MoE`
     holding all experts, with one group per rank.
 
     The loss is a weighted mean over tokens: the reference takes it over all ep * tokens_per_rank tokens,
     each rank over its own (as data parallelism does). The router's gradient is averaged over the ranks as a
-    data-parallel wrapper would, the experts' by :func:`reduce_expert_gradients`. Returns this rank's
+    data-parallel wrapper would, the experts' by :func:`~scalebook.parallel.expert.reduce_expert_gradients`. Returns
+    this rank's
     largest deviation of the output, of its tokens' input gradients (times ep: a token's share of the local
     mean is ep times its share of the global one), of the router gradient and of its experts' gradients
     from the reference, the dropped share of assignments, and its all-to-all calls and bytes.
@@ -111,7 +113,8 @@ def gpt_expert_parallel_errors(ep: int, *, seed: int = 0) -> dict:
     """On every rank of the default group (run it with :func:`scalebook.comm.launch`): a small GPT with 4
     experts per MLP trained one step on dp = world ranks, its experts sharded over blocks of ep of them,
     against the same GPT on the whole batch in this process. The replicated parameters' gradients are
-    averaged over dp (the data-parallel wrapper's job), the experts' by :func:`reduce_expert_gradients`
+    averaged over dp (the data-parallel wrapper's job), the experts' by
+    :func:`~scalebook.parallel.expert.reduce_expert_gradients`
     over the ranks holding the same experts (none when ep == dp), as :mod:`scalebook.parallel.expert`
     prescribes. Returns the experts this rank holds, the deviations of the logged loss, of every gathered
     gradient and of the gathered state from the single process's, and the largest gradient entry."""

@@ -1,7 +1,8 @@
 """Chapter 13's pipeline experiments: schedules simulated and drawn, and real runs that are timed, counted
 and compared with the unpartitioned model and ``torch.distributed.pipelining``.
 
-:func:`simulate` places a schedule's actions in time from their dependencies alone (each rank runs its list
+:func:`~scalebook.parallel.pipeline.simulate` places a schedule's actions in time from their dependencies alone (each
+rank runs its list
 in order; an action starts when its rank is free and its inputs exist), which gives the text Gantt charts
 (:func:`schedule_table`), the simulated bubble and the peak number of micro-batches in flight without any
 process. :func:`run_pipeline` runs schedules for real on P local ranks with the library's one runtime,
@@ -88,7 +89,8 @@ def schedule_table(schedule: Schedule) -> str:
 
 
 def simulated_bubble(schedule: Schedule, **durations) -> float:
-    """Idle share of the simulated step, averaged over ranks (durations as in :func:`simulate`)."""
+    """Idle share of the simulated step, averaged over ranks (durations as in
+    :func:`~scalebook.parallel.pipeline.simulate`)."""
     slots = simulate(schedule, **durations)
     makespan = max(s.end for row in slots for s in row)
     busy = [sum(s.end - s.start for s in row) for row in slots]
@@ -98,7 +100,7 @@ def simulated_bubble(schedule: Schedule, **durations) -> float:
 def gantt_rows(schedule: Schedule, timeline, *, waits: bool = False) -> list[list[tuple[float, float, str, int, int]]]:
     """``(start, end, kind, micro-batch, chunk)`` of every compute action (and with ``waits`` every
     wait for messages), per rank, for :func:`scalebook.plots.pipeline_gantt`; ``timeline`` is
-    :func:`simulate`'s slots or a run's events."""
+    :func:`~scalebook.parallel.pipeline.simulate`'s slots or a run's events."""
     rows = []
     for rank, items in enumerate(timeline):
         chunks = schedule.stages_of(rank)
@@ -207,7 +209,7 @@ class _LiveActivations:
 
 class StepRecorder:
     """A recorder for :func:`~scalebook.parallel.pipeline.run_schedule`: an :class:`Event` for every forward,
-    backward and wait for messages, the activations alive (:attr:`activations`), and with
+    backward and wait for messages, the activations alive (``activations``), and with
     ``emulate=(t_f, t_b)`` every forward and backward of a chunk padded to t_f / v and t_b / v seconds."""
 
     def __init__(self, stages: dict[int, nn.Module], virtual_stages: int, emulate: tuple[float, float] | None = None):

@@ -4,7 +4,7 @@ Each function trains the same small GPT on the same global batches with one meth
 chapter compares: the parameters after the last step, the first step's averaged gradient (after the
 backward pass, before any update, gathered into whole named tensors), the bytes each kind of state holds
 (:func:`scalebook.parallel.zero.held_bytes`) after the last step and at most within it, and the collectives
-of the last step (:func:`scalebook.comm.count_traffic`). Methods:
+of the last step (:func:`scalebook.comm.traffic.count_traffic`). Methods:
 
     "DDP"                       stage 0: torch's DistributedDataParallel and AdamW
     "ZeRO-1"                    our ZeroRedundancyOptimizer, reduce_scatter_gradients=True (the ZeRO paper's)

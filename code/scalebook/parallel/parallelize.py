@@ -125,7 +125,7 @@ class ParallelModel:
         global L2 norm before clipping (the same on every rank) and scales every gradient by
         min(1, max_norm / (norm + 1e-6)).
 
-        Each rank adds the squares of the gradients it is the one to count (:meth:`_counted_here`), so that
+        Each rank adds the squares of the gradients it is the one to count (``_counted_here``), so that
         a gradient that several ranks hold identically (a replica's, a tensor-parallel rank's copy of a
         replicated LayerNorm, the last stage's copy of the tied embedding) counts once; one all-reduce sums
         them.

@@ -4,7 +4,7 @@
     cli         ``python -m scalebook.train``: arguments, the layout's pre-flight checks, logging, checkpoints
     checkpoint  atomic per-rank checkpoints, ``latest``, and consolidation into one state dict
 
-``python -m scalebook.train`` runs :mod:`scalebook.train.__main__`, which calls :func:`scalebook.train.cli.main`.
+``python -m scalebook.train`` runs ``scalebook/train/__main__.py``, which calls ``scalebook.train.cli.main``.
 
 Source: nanoGPT ``train.py`` (one loop); torchtitan ``train.py`` (the loop over a parallelized model).
 """
