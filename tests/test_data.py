@@ -9,7 +9,7 @@ from scalebook import data
 def test_default_corpus_is_the_embedded_pydoc_topics():
     text = data.default_corpus()
     assert 450_000 < len(text) < 500_000  # pydoc_data.topics is ~465 KB of English
-    assert "The \"if\" statement" in text or "if_stmt" in text or "if" in text
+    assert 'The "if" statement' in text or "if_stmt" in text or "if" in text
     assert text == data.load_text(None)
 
 
@@ -21,13 +21,99 @@ def test_load_text_from_file_and_folder(tmp_path):
     assert data.load_text(tmp_path) == "first\n\nsecond"
 
 
-def test_load_text_errors_say_what_to_pass(tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
-        data.load_text(tmp_path / "missing.txt")
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    with pytest.raises(ValueError, match="no .txt"):
-        data.load_text(empty)
+def test_read_corpus_of_nothing_is_the_embedded_corpus_tokens():
+    tokens = data.read_corpus(None)
+    assert tokens.dtype == torch.long
+    assert torch.equal(tokens, data.tokenize(data.load_text(None)))
+
+
+def test_read_corpus_of_a_folder_is_its_text_files_in_sorted_order(tmp_path):
+    (tmp_path / "b.txt").write_text("second", encoding="utf-8")
+    (tmp_path / "a.md").write_text("first", encoding="utf-8")
+    (tmp_path / "skip.bin").write_bytes(b"\x00\x01")  # not a text suffix: not read, so not refused
+    assert data.read_corpus(tmp_path).tolist() == list(b"first\n\nsecond")
+
+
+def test_latin1_text_trains_on_its_exact_bytes(tmp_path):
+    # The issue: errors="replace" turned Latin-1 "é" into U+FFFD (3 bytes) without a word.
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("Le café où l'on a déjà mangé.\n".encode("latin-1") * 50)
+    tokens = data.read_corpus(latin1)
+    assert tokens.tolist() == list(latin1.read_bytes())
+    assert tokens[6].item() == 0xE9 == 233  # "Le caf" + "é": the byte itself, one token
+    data.check_corpus(latin1, min_tokens=len(tokens))  # text, large enough: no error
+    with pytest.raises(ValueError, match=r"latin1.txt is not UTF-8 \(byte 0xE9 at offset 6\); read_corpus\(\) trains"):
+        data.load_text(latin1)  # text is never altered: load_text refuses what it cannot decode
+
+
+def test_utf8_with_a_few_bad_bytes_is_text_and_kept_byte_exact(tmp_path):
+    damaged = tmp_path / "damaged.txt"
+    damaged.write_bytes(data.default_corpus()[:5000].encode("utf-8") + b"\xff\xfe truncated \xe2\x82")
+    assert data.read_corpus(damaged).tolist() == list(damaged.read_bytes())
+
+
+def test_bin_ls_is_refused_as_binary_with_one_message():
+    # The issue: --data /bin/ls trained on it (17.5 % U+FFFD).
+    with pytest.raises(ValueError) as refused:
+        data.read_corpus("/bin/ls")
+    message = str(refused.value)
+    assert message.startswith("data file /bin/ls is binary, not text (") and " NUL bytes in " in message
+    assert "leave --data out for the embedded corpus" in message
+    with pytest.raises(ValueError, match="/bin/ls is binary"):
+        data.check_corpus("/bin/ls", min_tokens=1)
+
+
+@pytest.mark.parametrize(
+    "content, binary",
+    [
+        (b"plain text\x00with one NUL", True),  # NUL: binary whatever the rest (UTF-16 text too)
+        ("héllo".encode("utf-16"), True),
+        (bytes(range(1, 9)) * 10 + b"a" * 200, True),  # 80 control codes in 280 bytes: over 1 %
+        (b"\x1b[31mred\x1b[0m log line\tand\ttabs\r\n\x0c" * 20, False),  # ESC, tab, CR, FF are text
+        (b"a" * 1000 + b"\x07" * 10, False),  # 10 control codes in 1,010 bytes: under 1 %, a stray bell is kept
+    ],
+)
+def test_binary_rule_nul_or_over_one_percent_control_codes(tmp_path, content, binary):
+    file = tmp_path / "input.txt"
+    file.write_bytes(content)
+    if binary:
+        with pytest.raises(ValueError, match="input.txt is binary, not text"):
+            data.read_corpus(file)
+    else:
+        assert data.read_corpus(file).tolist() == list(content)
+
+
+def test_a_binary_file_in_a_folder_is_named(tmp_path):
+    (tmp_path / "a.txt").write_text("fine", encoding="utf-8")
+    (tmp_path / "b.txt").write_bytes(b"\x00" * 10)
+    with pytest.raises(ValueError, match=r"data file \S+b\.txt is binary"):
+        data.read_corpus(tmp_path)
+
+
+def test_corpus_errors_name_the_path_and_what_to_change(tmp_path, monkeypatch):
+    empty_folder = tmp_path / "empty"
+    empty_folder.mkdir()
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "small.txt").write_text("tiny", encoding="utf-8")
+    cases = {
+        tmp_path / "missing.txt": "missing.txt does not exist; point --data at a text file",
+        empty_folder: "empty holds no .txt/.md/.rst files; point --data",
+        tmp_path / "empty.txt": "empty.txt is empty; point --data",
+    }
+    for path, fragment in cases.items():
+        with pytest.raises(ValueError, match=fragment) as refused:
+            data.check_corpus(path, min_tokens=1)
+        assert "None" not in str(refused.value)  # a command-line user cannot pass None
+    with pytest.raises(ValueError, match="small.txt has 4 byte tokens, fewer than the 1,025 this run needs"):
+        data.check_corpus(tmp_path / "small.txt", min_tokens=1025)
+
+    # Root reads every file whatever its mode, so unreadability is simulated where the read happens.
+    def denied(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(type(tmp_path), "read_bytes", denied)
+    with pytest.raises(ValueError, match=r"cannot read data file \S+small.txt \(Permission denied\); make it"):
+        data.read_corpus(tmp_path / "small.txt")
 
 
 def test_byte_tokenizer_round_trips_unicode():

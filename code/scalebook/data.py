@@ -2,7 +2,9 @@
 
 The default corpus is embedded in Python itself: ``pydoc_data.topics``, the 465 KB of English that
 ``help()`` prints (the language reference's topics). It needs no download, so every chapter runs offline.
-Any text file or folder of ``.txt``/``.md`` files can replace it.
+Any text file or folder of ``.txt``/``.md``/``.rst`` files can replace it: :func:`read_corpus` turns it into byte
+tokens byte for byte (text that is not UTF-8, Latin-1 say, trains on its exact bytes) and refuses binary input with
+one message; :func:`check_corpus` runs the same checks, and the size check, before any rank starts.
 
 Next-token prediction turns a token stream ``t_0 t_1 ... t_n`` into pairs: the model reads
 ``t_i .. t_{i+T-1}`` and must predict ``t_{i+1} .. t_{i+T}``, one target per position.
@@ -39,24 +41,101 @@ def corpus_tokens() -> torch.Tensor:
     return tokenize(default_corpus())
 
 
-def load_text(path: str | os.PathLike | None = None) -> str:
-    """Read the training text: ``None`` gives :func:`default_corpus`; a file is read as UTF-8;
-    a folder contributes every ``.txt``/``.md``/``.rst`` file under it, in sorted path order."""
-    if path is None:
-        return default_corpus()
-    path = Path(path)
+_NO_DATA_HINT = (
+    f"point --data at a text file or a folder of {'/'.join(TEXT_SUFFIXES)} files, or leave --data out for the "
+    "embedded corpus"
+)
+# Control codes that no text encoding uses for text: C0 except tab, LF, VT, FF, CR and ESC (terminal colours), and DEL.
+# Every byte >= 0x80 is a letter or sign in some single-byte encoding (Latin-1, Windows-1252, KOI8-R...), so a byte
+# that is not valid UTF-8 can still be text; these cannot.
+_CONTROL_BYTES = bytes([*range(0x01, 0x09), *range(0x0E, 0x1B), *range(0x1C, 0x20), 0x7F])
+MAX_CONTROL_SHARE = 0.01
+
+
+def _corpus_files(path: Path) -> list[Path]:
+    """The files that make up the corpus at ``path``: the file itself, or a folder's text files in sorted order."""
     if path.is_file():
-        return path.read_text(encoding="utf-8", errors="replace")
+        return [path]
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
         if not files:
-            raise ValueError(
-                f"no {'/'.join(TEXT_SUFFIXES)} files under {path}; point at a text file or a folder of them"
-            )
-        return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
-    raise ValueError(
-        f"data path {path} does not exist; pass a text file, a folder of text files, or None for the default corpus"
-    )
+            raise ValueError(f"data folder {path} holds no {'/'.join(TEXT_SUFFIXES)} files; {_NO_DATA_HINT}")
+        return files
+    raise ValueError(f"data path {path} does not exist; {_NO_DATA_HINT}")
+
+
+def _text_bytes(file: Path) -> bytes:
+    """A file's bytes, refused if unreadable or binary.
+
+    The rule: binary means a NUL byte anywhere, or more than ``MAX_CONTROL_SHARE`` (1 %) of the bytes are control
+    codes that no text encoding uses (``_CONTROL_BYTES``). Bytes that are not valid UTF-8 are kept: they are text in a
+    single-byte encoding such as Latin-1, and the byte tokenizer trains on them unchanged.
+    """
+    try:
+        raw = file.read_bytes()
+    except OSError as err:
+        raise ValueError(
+            f"cannot read data file {file} ({err.strerror}); make it readable or {_NO_DATA_HINT}"
+        ) from None
+    nul = raw.count(0)
+    control = len(raw) - len(raw.translate(None, _CONTROL_BYTES))
+    if nul or control > MAX_CONTROL_SHARE * len(raw):
+        found = f"{nul:,} NUL bytes" if nul else f"{control:,} control codes"
+        raise ValueError(
+            f"data file {file} is binary, not text ({found} in {len(raw):,} bytes; UTF-16 text has NUL bytes too: "
+            f"convert it to UTF-8); {_NO_DATA_HINT}"
+        )
+    return raw
+
+
+def corpus_bytes(path: str | os.PathLike | None = None) -> bytes:
+    """The corpus at ``path`` as the exact bytes the byte tokenizer trains on (a folder's files joined by a blank line).
+
+    ``None`` is the embedded corpus in UTF-8. Raises one ValueError naming the path (or the folder's file) and what to
+    change when it is missing, unreadable, a folder without text files, binary (see :func:`_text_bytes`) or empty.
+    """
+    if path is None:
+        return default_corpus().encode("utf-8")
+    path = Path(path)
+    raw = b"\n\n".join(_text_bytes(file) for file in _corpus_files(path))
+    if not raw:
+        raise ValueError(f"data path {path} is empty; {_NO_DATA_HINT}")
+    return raw
+
+
+def read_corpus(path: str | os.PathLike | None = None) -> torch.Tensor:
+    """The corpus at ``path`` as byte-tokenizer ids (1-D int64), byte for byte: text that is not UTF-8 (Latin-1 "é"
+    is byte 0xE9) becomes token 233, nothing is replaced. ``None`` gives ``tokenize(default_corpus())``."""
+    return torch.frombuffer(bytearray(corpus_bytes(path)), dtype=torch.uint8).long()
+
+
+def check_corpus(path: str | os.PathLike | None, min_tokens: int) -> None:
+    """Raise one ValueError naming what to change unless ``path`` is a readable text corpus of at least
+    ``min_tokens`` byte tokens; the check a launcher runs before any rank starts work."""
+    n_tokens = len(corpus_bytes(path))
+    if n_tokens < min_tokens:
+        raise ValueError(
+            f"data path {path} has {n_tokens:,} byte tokens, fewer than the {min_tokens:,} this run needs; "
+            "give more text, or a shorter --seq-len"
+        )
+
+
+def load_text(path: str | os.PathLike | None = None) -> str:
+    """The corpus at ``path`` as text (``None`` gives :func:`default_corpus`); the checks of :func:`corpus_bytes`.
+
+    Text that is not valid UTF-8 raises a ValueError instead of being altered: train on it with
+    :func:`read_corpus`, which keeps its exact bytes.
+    """
+    if path is None:
+        return default_corpus()
+    raw = corpus_bytes(path)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"data path {path} is not UTF-8 (byte 0x{raw[err.start]:02X} at offset {err.start:,}); read_corpus() "
+            "trains on its exact bytes, or convert it to UTF-8 (iconv -t UTF-8) to read it as text"
+        ) from None
 
 
 class ByteTokenizer:
