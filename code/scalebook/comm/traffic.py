@@ -25,9 +25,6 @@ Source: PyTorch documentation, "Distributed communication package - torch.distri
 
 from __future__ import annotations
 
-import functools
-import inspect
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,9 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from scalebook.accounting.comm import bytes_sent_per_rank
+from scalebook.comm.intercept import global_peer, listening
 
 
 @dataclass(frozen=True)
@@ -98,24 +95,17 @@ def _size(group) -> int:
 _P2P = {"send": True, "isend": True, "recv": False, "irecv": False}  # op -> does this rank send?
 
 
-def _global_rank(group, rank: int | None, group_rank: int | None) -> int | None:
-    """The global rank a call names, by ``dst``/``src`` (already global) or ``group_dst``/``group_src``."""
-    if rank is not None or group_rank is None or group is None:
-        return rank if rank is not None else group_rank
-    return dist.get_global_rank(group, group_rank)
-
-
 def _root(group, rank: int | None, group_rank: int | None) -> int:
     """The global rank of a gather's or scatter's root; group rank 0 when the call names none."""
-    root = _global_rank(group, rank, group_rank)
-    return root if root is not None else _global_rank(group, None, 0)
+    root = global_peer(group, rank, group_rank)
+    return root if root is not None else global_peer(group, None, 0)
 
 
 def _describe(op: str, a: dict) -> tuple[int, object, int | None, float | None]:
     """(message bytes, group, peer, exact bytes sent or None for "count it as the ring would")."""
     group = a.get("group")
     if op in _P2P:
-        peer = _global_rank(group, a.get("dst", a.get("src")), a.get("group_dst", a.get("group_src")))
+        peer = global_peer(group, a.get("dst", a.get("src")), a.get("group_dst", a.get("group_src")))
         sent = float(_nbytes(a["tensor"])) if _P2P[op] else 0.0
         return _nbytes(a["tensor"]), group, peer, sent
     if op in ("all_reduce", "broadcast", "reduce"):
@@ -159,88 +149,25 @@ _RING_OP = {
     "reduce_scatter_tensor": "reduce_scatter",
     "reduce_scatter_single": "reduce_scatter",
 }
-WRAPPED = tuple(_P2P) + tuple(_RING_OP) + ("all_to_all", "all_to_all_single", "gather", "scatter", "barrier")
-
-_lock = threading.Lock()
-_active: list[Traffic] = []  # nested count_traffic() blocks all record
-_originals: dict[str, object] = {}
-_inside = threading.local()  # set while a recorded call runs: what it calls itself is not recorded again
 
 
-def _wrap(op: str, original):
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def recorded(*args, **kwargs):
-        if _active and not getattr(_inside, "busy", False):
-            bound = signature.bind(*args, **kwargs)
-            message, group, peer, exact = _describe(op, bound.arguments)
-            n = _size(group)
-            sent = exact if exact is not None else bytes_sent_per_rank(_RING_OP[op], message, n)
-            call = CommCall(op, message, n, sent, peer)
-            for traffic in _active:
-                traffic.calls.append(call)
-        return _call_quietly(original, *args, **kwargs)
-
-    recorded.__scalebook_original__ = original
-    return recorded
-
-
-def _batch_isend_irecv(p2p_op_list):
-    original = _originals["batch_isend_irecv"]
-    for p in p2p_op_list:
-        # batch_isend_irecv tells sends from receives by identity with c10d.isend: keep them consistent.
-        is_send = getattr(p.op, "__scalebook_original__", p.op) is _originals["isend"]
-        p.op = c10d.isend if is_send else c10d.irecv
-        if _active and not getattr(_inside, "busy", False):
-            n = _size(p.group)
-            call = CommCall("isend" if is_send else "irecv", _nbytes(p.tensor), n,
-                            float(_nbytes(p.tensor)) if is_send else 0.0, p.peer)  # fmt: skip
-            for traffic in _active:
-                traffic.calls.append(call)
-    return _call_quietly(original, p2p_op_list)
-
-
-def _call_quietly(original, *args, **kwargs):
-    """Run a recorded call without recording the calls it makes (send is isend + wait in torch 2.13)."""
-    outer = getattr(_inside, "busy", False)
-    _inside.busy = True
-    try:
-        return original(*args, **kwargs)
-    finally:
-        _inside.busy = outer
-
-
-def _install() -> None:
-    for op in WRAPPED:
-        _originals[op] = getattr(c10d, op)
-        wrapped = _wrap(op, _originals[op])
-        setattr(c10d, op, wrapped)
-        setattr(dist, op, wrapped)
-    _originals["batch_isend_irecv"] = c10d.batch_isend_irecv
-    c10d.batch_isend_irecv = _batch_isend_irecv
-    dist.batch_isend_irecv = _batch_isend_irecv
-
-
-def _uninstall() -> None:
-    for op, original in _originals.items():
-        setattr(c10d, op, original)
-        setattr(dist, op, original)
-    _originals.clear()
+def _call(op: str, a: dict) -> list[CommCall]:
+    """The calls one reported operation makes: one, or a batch's sends and receives."""
+    if op == "batch_isend_irecv":
+        calls = []
+        for p, is_send in zip(a["p2p_op_list"], a["sends"], strict=True):
+            sent = float(_nbytes(p.tensor)) if is_send else 0.0
+            calls.append(CommCall("isend" if is_send else "irecv", _nbytes(p.tensor), _size(p.group), sent, p.peer))
+        return calls
+    message, group, peer, exact = _describe(op, a)
+    n = _size(group)
+    sent = exact if exact is not None else bytes_sent_per_rank(_RING_OP[op], message, n)
+    return [CommCall(op, message, n, sent, peer)]
 
 
 @contextmanager
 def count_traffic() -> Iterator[Traffic]:
     """Record this rank's communication calls while the block runs; yields the :class:`Traffic`."""
     traffic = Traffic()
-    with _lock:
-        if not _active:
-            _install()
-        _active.append(traffic)
-    try:
+    with listening(lambda op, arguments: traffic.calls.extend(_call(op, arguments))):
         yield traffic
-    finally:
-        with _lock:
-            _active.remove(traffic)
-            if not _active:
-                _uninstall()
