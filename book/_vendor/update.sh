@@ -7,6 +7,8 @@
 # static/mathjax, static/requirejs and static/html-manager are replaced; _config.yml points at them
 # (html_static_path, mathjax_path, nb_ipywidgets_js), so keep the layout when bumping a version,
 # then rebuild the book and run `pytest tests/test_book.py tests/test_browser.py`.
+# pyodide/ (the live calculators' Python runtime) is not copied as is: book/_ext/live_calculators.py
+# writes it into the site at build time; after bumping it run `pytest tests/test_live_calculators.py`.
 set -euo pipefail
 
 MATHJAX=mathjax@3.2.2
@@ -16,6 +18,9 @@ HTML_MANAGER=@jupyter-widgets/html-manager@1.0.15
 # no LICENSE file; @jupyter-widgets/base 6.0.11 does (6.0.12, the one bundled in html-manager
 # 1.0.15, does not).
 WIDGETS_LICENSE_FROM=@jupyter-widgets/base@6.0.11
+# 0.29.x is the last line with a classic-script pyodide.asm.js; from 314.0 on it is an ES module
+# (pyodide.asm.mjs), which Chromium refuses to import on a page opened from file://.
+PYODIDE=pyodide@0.29.5
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 out="$here/static"
@@ -33,6 +38,7 @@ unpack "$MATHJAX" "$tmp/mathjax"
 unpack "$REQUIREJS" "$tmp/requirejs"
 unpack "$HTML_MANAGER" "$tmp/html-manager"
 unpack "$WIDGETS_LICENSE_FROM" "$tmp/widgets-base"
+unpack "$PYODIDE" "$tmp/pyodide"
 
 # Only the vendored package folders are replaced; static/html-manager-offline.js is ours.
 rm -rf "$out/mathjax" "$out/requirejs" "$out/html-manager"
@@ -88,5 +94,15 @@ cp "$tmp/html-manager/dist/"*.woff2 "$out/html-manager/"
 cp "$tmp/widgets-base/LICENSE" "$out/html-manager/LICENSE"
 cp "$tmp/html-manager/dist/embed.js.LICENSE.txt" "$out/html-manager/THIRD-PARTY-NOTICES.txt"
 
-echo "Vendored into $out:"
+# Pyodide: the runtime of the live calculators, only the files that start Python with its standard
+# library (no packages: the calculators need only the standard library and scalebook's pure-Python
+# modules). The tarball has no LICENSE file; pyodide/LICENSE (MPL-2.0, written once) is kept.
+mkdir -p "$here/pyodide"
+rm -f "$here/pyodide/"pyodide* "$here/pyodide/python_stdlib.zip"
+for f in pyodide.js pyodide.asm.js pyodide.asm.wasm python_stdlib.zip pyodide-lock.json; do
+    cp "$tmp/pyodide/$f" "$here/pyodide/"
+done
+
+echo "Vendored into $out and $here/pyodide:"
 (cd "$out" && find . -type f | sort && du -sh .)
+(cd "$here/pyodide" && ls -l && du -sh .)

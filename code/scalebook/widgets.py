@@ -2,7 +2,13 @@
 
 Each widget is thin: the numbers come from the package (``accounting``, the models), the widget only
 lets the reader move the inputs. A widget needs a running kernel, so every chapter that shows one also
-shows a static figure of the same thing, which is what the built book and a non-interactive reader see.
+shows a static figure of the same thing.
+
+The three calculators (memory per GPU, training time, layout planner) are each one :class:`Calculator`:
+its inputs and one function from their values to HTML. The ipywidgets panel (JupyterLab) and the live
+calculator of the built book (book/_ext/live_calculators.py, which runs this module in the reader's
+browser with Pyodide) are both thin over it, so the two cannot disagree. This module imports neither
+torch nor ipywidgets at import time.
 
 Source: ipywidgets documentation, "Using Interact" and "Output widgets".
 """
@@ -10,10 +16,105 @@ Source: ipywidgets documentation, "Using Interact" and "Output widgets".
 from __future__ import annotations
 
 import html
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from scalebook import accounting, configs
 from scalebook.configs import ModelConfig
+
+# ------------------------------------------------------------------------------------------ calculator panels
+
+
+@dataclass(frozen=True)
+class Control:
+    """One input of a calculator: a choice among ``options``, a checkbox (a bool default) or a number."""
+
+    label: str
+    default: object
+    options: tuple = ()
+
+    @property
+    def kind(self) -> str:
+        if isinstance(self.default, bool):
+            return "checkbox"
+        return "choice" if self.options else "number"
+
+    def parse(self, text: str):
+        """The value that a web form's text for this input stands for (a form sends every value as text)."""
+        if self.kind == "checkbox":
+            return text == "true"
+        if self.kind == "choice":
+            for option in self.options:
+                if str(option) == text:
+                    return option
+            raise ValueError(f"{self.label} must be one of {', '.join(map(str, self.options))}, got {text!r}")
+        number = type(self.default)
+        try:
+            return number(text)
+        except ValueError:
+            what = "a whole number" if number is int else "a number"
+            raise ValueError(f"{self.label} must be {what}, got {text!r}") from None
+
+    def widget(self):
+        """The ipywidgets control for this input."""
+        import ipywidgets as w
+
+        common = dict(description=self.label, value=self.default, style={"description_width": "110px"},
+                      layout=w.Layout(width="240px"))  # fmt: skip
+        if self.kind == "checkbox":
+            return w.Checkbox(**common)
+        if self.kind == "choice":
+            return w.Dropdown(options=self.options, **common)
+        return (w.IntText if isinstance(self.default, int) else w.FloatText)(**common)
+
+
+@dataclass(frozen=True)
+class Calculator:
+    """A calculator: named inputs, the function from their values to HTML, and how its errors are titled.
+
+    ``render`` raises ValueError for an input it cannot compute (a layout the formulas reject); the
+    calculator shows that message instead of a result.
+    """
+
+    controls: dict[str, Control]
+    render: Callable[..., str]
+    error_title: str
+
+    @property
+    def defaults(self) -> dict[str, object]:
+        return {name: control.default for name, control in self.controls.items()}
+
+    def html(self, **values) -> str:
+        """The result for these input values, or the error that they raise."""
+        try:
+            return self.render(**values)
+        except ValueError as error:
+            return f"<b>{html.escape(self.error_title)}:</b> {html.escape(str(error))}"
+
+    def html_from_form(self, form: Mapping[str, str]) -> str:
+        """:meth:`html` for a web form's text values (every input named, as :meth:`Control.parse` reads it)."""
+        try:
+            values = {name: control.parse(form[name]) for name, control in self.controls.items()}
+        except (KeyError, ValueError) as error:
+            return f"<b>{html.escape(self.error_title)}:</b> {html.escape(str(error))}"
+        return self.html(**values)
+
+    def panel(self, columns: int = 3):
+        """The ipywidgets panel: a grid of the controls over the result, recomputed on every change."""
+        import ipywidgets as w
+
+        controls = {name: control.widget() for name, control in self.controls.items()}
+        result = w.HTML()
+
+        def update(_change=None) -> None:
+            result.value = self.html(**{name: control.value for name, control in controls.items()})
+
+        for control in controls.values():
+            control.observe(update, names="value")
+        update()
+        grid = w.GridBox(list(controls.values()), layout=w.Layout(grid_template_columns=f"repeat({columns}, 250px)"))
+        return w.VBox([grid, result])
+
 
 # ------------------------------------------------------------------------------------------ memory calculator
 
@@ -115,7 +216,26 @@ def memory_estimate_html(estimate: MemoryEstimate) -> str:
     )
 
 
-_DEGREES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+_DEGREES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def memory_calculator_inputs(model: str = "gpt3-175b", gpu: str = "h100-sxm") -> Calculator:
+    """The memory calculator: model, GPU, precision, sequence and layout in, :func:`memory_per_gpu` out."""
+    controls = {
+        "model": Control("model", model, tuple(configs.list_models())),
+        "gpu": Control("GPU", gpu, tuple(configs.list_hardware())),
+        "precision": Control("precision", "mixed", accounting.PRECISIONS),
+        "seq_len": Control("sequence", 2048, tuple(2**k for k in range(9, 18))),
+        "micro_batch": Control("micro-batch", 1, (1, 2, 4, 8, 16, 32)),
+        "recompute": Control("recompute", "none", accounting.RECOMPUTE),
+        "attention": Control("attention", "explicit", accounting.ATTENTION),
+        "zero_stage": Control("ZeRO stage", 0, accounting.ZERO_STAGES),
+        "dp": Control("dp", 1, _DEGREES),
+        "tp": Control("tp", 1, _DEGREES[:8]),
+        "pp": Control("pp", 1, _DEGREES),
+        "sp": Control("sequence parallel", False),
+    }
+    return Calculator(controls, lambda **values: memory_estimate_html(memory_per_gpu(**values)), "Not a valid layout")
 
 
 def memory_calculator(model: str = "gpt3-175b", gpu: str = "h100-sxm"):
@@ -124,43 +244,52 @@ def memory_calculator(model: str = "gpt3-175b", gpu: str = "h100-sxm"):
     A thin panel over :func:`memory_per_gpu`: every change recomputes the estimate, and a layout the
     formulas reject (tp not dividing the heads, say) shows the error instead.
     """
-    import ipywidgets as w
+    return memory_calculator_inputs(model, gpu).panel()
 
-    style = {"description_width": "90px"}
-    layout = w.Layout(width="230px")
 
-    def dropdown(description, options, value):
-        return w.Dropdown(description=description, options=options, value=value, style=style, layout=layout)
+# ------------------------------------------------------------------------------------ training time calculator
 
+
+def training_time_html(
+    model: str, gpu: str, dtype: str, seq_len: int, tokens_billions: float, gpus: int, mfu_percent: float,
+    deadline_days: float,
+) -> str:  # fmt: skip
+    """Days to train ``model`` on ``gpus`` GPUs, and the GPUs a deadline needs, as HTML.
+
+    ``accounting.training_days`` and ``accounting.devices_needed`` with the attention-aware FLOPs per token
+    at ``seq_len``, at ``mfu_percent`` of the GPU's dense peak in ``dtype``; no recomputation.
+    """
+    cfg = configs.get_model(model)
+    peak = configs.get_hardware(gpu).peak(dtype)
+    tokens, mfu = tokens_billions * 1e9, mfu_percent / 100
+    days = accounting.training_days(cfg, tokens, gpus, peak, mfu, seq_len=seq_len)
+    needed = accounting.devices_needed(cfg, tokens, deadline_days, peak, mfu, seq_len=seq_len)
+    flops = tokens * accounting.flops_per_token(cfg, seq_len=seq_len)
+    return (
+        f"<b>{html.escape(cfg.name)}</b>, {tokens_billions:,g}B tokens of {seq_len:,}: {flops:.3g} FLOPs.<br>"
+        f"On {gpus:,} {html.escape(gpu)} at {mfu_percent:g} % of the {peak / 1e12:,.0f} TFLOP/s {dtype} peak: "
+        f"<b>{days:,.1f} days</b>.<br>Within {deadline_days:,g} days: <b>{needed:,} GPUs</b>."
+    )
+
+
+def training_time_inputs(model: str = "gpt3-175b", gpu: str = "a100-sxm4-80gb") -> Calculator:
+    """The training time calculator: model, tokens, GPUs and MFU in, :func:`training_time_html` out."""
     controls = {
-        "model": dropdown("model", configs.list_models(), model),
-        "gpu": dropdown("GPU", configs.list_hardware(), gpu),
-        "precision": dropdown("precision", accounting.PRECISIONS, "mixed"),
-        "seq_len": dropdown("sequence", [2**k for k in range(9, 18)], 2048),
-        "micro_batch": dropdown("micro-batch", [1, 2, 4, 8, 16, 32], 1),
-        "recompute": dropdown("recompute", accounting.RECOMPUTE, "none"),
-        "attention": dropdown("attention", accounting.ATTENTION, "explicit"),
-        "zero_stage": dropdown("ZeRO stage", accounting.ZERO_STAGES, 0),
-        "dp": dropdown("dp", _DEGREES, 1),
-        "tp": dropdown("tp", _DEGREES[:8], 1),
-        "pp": dropdown("pp", _DEGREES, 1),
-        "sp": w.Checkbox(description="sequence parallel", value=False, style=style, layout=layout),
+        "model": Control("model", model, tuple(configs.list_models())),
+        "gpu": Control("GPU", gpu, tuple(configs.list_hardware())),
+        "dtype": Control("peak dtype", "bf16", ("fp32", "tf32", "bf16", "fp16", "fp8")),
+        "seq_len": Control("sequence", 2048, tuple(2**k for k in range(9, 18))),
+        "tokens_billions": Control("tokens (billions)", 300.0),
+        "gpus": Control("GPUs", 1024),
+        "mfu_percent": Control("MFU (%)", 40.0),
+        "deadline_days": Control("deadline (days)", 30.0),
     }
-    result = w.HTML()
+    return Calculator(controls, training_time_html, "Cannot estimate")
 
-    def update(_change=None) -> None:
-        try:
-            estimate = memory_per_gpu(**{name: control.value for name, control in controls.items()})
-        except ValueError as error:
-            result.value = f"<b>Not a valid layout:</b> {html.escape(str(error))}"
-            return
-        result.value = memory_estimate_html(estimate)
 
-    for control in controls.values():
-        control.observe(update, names="value")
-    update()
-    grid = w.GridBox(list(controls.values()), layout=w.Layout(grid_template_columns="repeat(3, 240px)"))
-    return w.VBox([grid, result])
+def training_time_calculator(model: str = "gpt3-175b", gpu: str = "a100-sxm4-80gb"):
+    """Pick a model, a token budget, a GPU count and an MFU; read the days, and the GPUs a deadline needs."""
+    return training_time_inputs(model, gpu).panel()
 
 
 # ----------------------------------------------------------------------------------------- attention explorer
@@ -205,9 +334,7 @@ def attention_explorer(model, tokenizer, sentences, *, layer: int = 0, head: int
     maps = {s: encoder_attentions(model, tokenizer, s) for s in sentences}
     n_layers, n_heads = maps[sentences[0]][1].shape[:2]
     if not (0 <= layer < n_layers and 0 <= head < n_heads):
-        raise ValueError(
-            f"layer must be in [0, {n_layers}) and head in [0, {n_heads}), got {layer} and {head}"
-        )
+        raise ValueError(f"layer must be in [0, {n_layers}) and head in [0, {n_heads}), got {layer} and {head}")
     style = {"description_width": "70px"}
     sentence_box = w.Dropdown(options=sentences, value=sentences[0], description="sentence", style=style,
                               layout=w.Layout(width="560px"))  # fmt: skip
@@ -256,29 +383,35 @@ def plan_table_html(model: str, gpu: str, nodes: int, seq_len: int, batch_tokens
     return f"<table><tr>{head}</tr>{rows}</table><p>Rejected: {reasons}</p>"
 
 
+def layout_planner_inputs(model: str = "llama-3.1-405b", gpu: str = "h100-sxm") -> Calculator:
+    """The layout planner: model, GPU, node count, sequence and batch in, :func:`plan_table_html` out."""
+    controls = {
+        "model": Control("model", model, tuple(configs.list_models())),
+        "gpu": Control("GPU", gpu, tuple(configs.list_hardware())),
+        "nodes": Control("nodes (x8 GPUs)", 2048, tuple(2**k for k in range(12))),
+        "seq_len": Control("sequence", 8192, tuple(2**k for k in range(10, 18))),
+        "batch_tokens": Control("batch (tokens)", 2**24, tuple(2**k for k in range(19, 26))),
+    }
+    return Calculator(controls, plan_table_html, "Cannot plan")
+
+
 def layout_planner(model: str = "llama-3.1-405b", gpu: str = "h100-sxm"):
     """Pick a model, a GPU, a node count (8 GPUs each), a sequence and a batch; read the planner's ranking."""
-    import ipywidgets as w
+    return layout_planner_inputs(model, gpu).panel()
 
-    style = {"description_width": "110px"}
-    controls = {
-        "model": w.Dropdown(description="model", options=configs.list_models(), value=model, style=style),
-        "gpu": w.Dropdown(description="GPU", options=configs.list_hardware(), value=gpu, style=style),
-        "nodes": w.Dropdown(description="nodes (x8 GPUs)", options=[2**k for k in range(12)], value=2048, style=style),
-        "seq_len": w.Dropdown(description="sequence", options=[2**k for k in range(10, 18)], value=8192, style=style),
-        "batch_tokens": w.Dropdown(
-            description="batch (tokens)", options=[2**k for k in range(19, 26)], value=2**24, style=style
-        ),
-    }
-    result = w.HTML()
 
-    def update(_change=None) -> None:
-        try:
-            result.value = plan_table_html(**{name: c.value for name, c in controls.items()})
-        except ValueError as error:
-            result.value = f"<b>Cannot plan:</b> {html.escape(str(error))}"
+CALCULATORS: dict[str, Callable[..., Calculator]] = {
+    "memory": memory_calculator_inputs,
+    "training-time": training_time_inputs,
+    "layout-planner": layout_planner_inputs,
+}
 
-    for control in controls.values():
-        control.observe(update, names="value")
-    update()
-    return w.VBox([w.HBox(list(controls.values())[:3]), w.HBox(list(controls.values())[3:]), result])
+
+def calculator_html(name: str, form: Mapping[str, str]) -> str:
+    """The HTML of calculator ``name`` (a key of :data:`CALCULATORS`) for a web form's text values.
+
+    What the book's live calculators call in the browser; a bad input shows as the error message.
+    """
+    if name not in CALCULATORS:
+        raise ValueError(f"unknown calculator {name!r}; choose one of {', '.join(CALCULATORS)}")
+    return CALCULATORS[name]().html_from_form(form)

@@ -1,0 +1,139 @@
+"""Sphinx extension: the chapters' calculators, live in the built book, computed by the package's own Python.
+
+A notebook code cell whose metadata has ``"live_calculator": "<name>"`` (a key of
+``scalebook.widgets.CALCULATORS``) shows, in the book, a web form instead of the frozen ipywidget it
+printed: the same inputs, labelled, and the result for the default inputs, computed here at build time
+by the same function. The page reads normally with no JavaScript. The first time the reader changes
+an input (or presses the button), _static/live_calculators.js starts Pyodide (CPython compiled to
+WebAssembly, vendored in book/_vendor/pyodide) and calls ``scalebook.widgets.calculator_html`` on every
+change. Only pages with a calculator load that script; Pyodide itself loads on demand.
+
+At the end of an HTML build this extension writes _static/live/: pyodide.js and pyodide.asm.js as
+they are, and the binary files (the WebAssembly module, the standard library, the lock file and a zip
+of scalebook's pure-Python modules, built now from code/scalebook) each as a small JavaScript file that
+assigns their base64 text. Scripts load from file:// where fetch() does not, so the same files serve
+a book opened from disk and one on a web server; the page answers Pyodide's fetch of those URLs from
+them.
+
+Source: Pyodide documentation, "Using Pyodide" (loadPyodide options indexURL, lockFileContents) and
+"Loading custom Python code" (unpackArchive); Sphinx, "Sphinx core events" (html-page-context).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import shutil
+import zipfile
+from pathlib import Path
+
+from docutils import nodes
+
+from scalebook import widgets
+
+VENDOR = Path(__file__).resolve().parent.parent / "_vendor" / "pyodide"
+PACKAGE = Path(widgets.__file__).resolve().parent
+# What the calculators import: widgets, and through it accounting, configs and planner. Each must import
+# without torch (tests/test_live_calculators.py checks it).
+PURE_MODULES = ("__init__.py", "widgets.py", "configs.py", "planner.py", "accounting/*.py")
+COPIED = ("pyodide.js", "pyodide.asm.js")
+EMBEDDED = ("pyodide.asm.wasm", "python_stdlib.zip", "pyodide-lock.json")
+MARKER = "live-calculator"
+
+
+def pure_python_zip() -> bytes:
+    """A zip of the scalebook modules the calculators run (``scalebook/...`` paths), from the source tree."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for pattern in PURE_MODULES:
+            for path in sorted(PACKAGE.glob(pattern)):
+                archive.write(path, f"scalebook/{path.relative_to(PACKAGE).as_posix()}")
+    return buffer.getvalue()
+
+
+def _control_html(calculator: str, name: str, control: widgets.Control) -> str:
+    field_id = f"{MARKER}-{calculator}-{name}"
+    label = f'<label for="{field_id}">{html.escape(control.label)}</label>'
+    if control.kind == "checkbox":
+        checked = " checked" if control.default else ""
+        box = f'<input type="checkbox" id="{field_id}" name="{name}"{checked}>'
+        return f'<div class="live-field live-check">{box}{label}</div>'
+    if control.kind == "choice":
+        options = "".join(
+            f"<option{' selected' if option == control.default else ''}>{html.escape(str(option))}</option>"
+            for option in control.options
+        )
+        return f'<div class="live-field">{label}<select id="{field_id}" name="{name}">{options}</select></div>'
+    step = "1" if isinstance(control.default, int) else "any"
+    return (
+        f'<div class="live-field">{label}<input type="number" id="{field_id}" name="{name}" '
+        f'value="{control.default}" step="{step}"></div>'
+    )
+
+
+def calculator_form(name: str) -> str:
+    """The calculator's HTML: its labelled inputs, a status line, and the result for the default inputs."""
+    calculator = widgets.CALCULATORS[name]()
+    fields = "".join(_control_html(name, field, control) for field, control in calculator.controls.items())
+    return (
+        f'<form class="{MARKER}" data-calculator="{name}" data-state="static" data-computed="0" '
+        f'aria-label="{html.escape(name.replace("-", " "))} calculator">'
+        f'<div class="live-fields">{fields}</div>'
+        '<p class="live-status" role="status">Values for the inputs above, computed when the book was built. '
+        '<button type="button" class="live-start">Make it live</button> '
+        "(runs the book's own Python in this page; about 16 MB, loaded once)</p>"
+        f'<div class="live-result" aria-live="polite">{calculator.html(**calculator.defaults)}</div></form>'
+    )
+
+
+def _replace_widget_outputs(app, doctree: nodes.document, docname: str) -> None:
+    """Put the live calculator in place of the outputs of every cell marked with ``live_calculator``."""
+    if app.builder.format != "html":
+        return
+    for cell in list(doctree.findall(nodes.container)):
+        name = cell.get("nb_element") == "cell_code" and cell.get("cell_metadata", {}).get("live_calculator")
+        if not name:
+            continue
+        if name not in widgets.CALCULATORS:
+            raise ValueError(f"{docname}: live_calculator {name!r} is not one of {', '.join(widgets.CALCULATORS)}")
+        for output in [child for child in cell.children if child.get("nb_element") == "cell_code_output"]:
+            cell.remove(output)
+        cell += nodes.raw("", calculator_form(name), format="html", classes=[MARKER])
+
+
+def _add_assets(app, pagename, templatename, context, doctree) -> None:
+    """Load the calculators' script and styles on the pages that have a calculator, and only there."""
+    if doctree is not None and any(MARKER in node.get("classes", ()) for node in doctree.findall(nodes.raw)):
+        app.add_js_file("live_calculators.js", loading_method="defer")
+        app.add_css_file("live_calculators.css")
+
+
+def _embedded_js(name: str, data: bytes) -> str:
+    encoded = base64.b64encode(data).decode("ascii")
+    return f"(self.scalebookLiveFiles = self.scalebookLiveFiles || {{}})[{json.dumps(name)}] = {json.dumps(encoded)};\n"
+
+
+def write_runtime(outdir: Path) -> Path:
+    """Write _static/live/ (Pyodide and the package's pure-Python zip) into a built site at ``outdir``."""
+    live = outdir / "_static" / "live"
+    live.mkdir(parents=True, exist_ok=True)
+    for name in (*COPIED, "LICENSE"):
+        shutil.copyfile(VENDOR / name, live / name)
+    for name in EMBEDDED:
+        (live / f"{name}.js").write_text(_embedded_js(name, (VENDOR / name).read_bytes()), encoding="ascii")
+    (live / "scalebook.zip.js").write_text(_embedded_js("scalebook.zip", pure_python_zip()), encoding="ascii")
+    return live
+
+
+def _write_runtime(app, exception) -> None:
+    if exception is None and app.builder.format == "html":
+        write_runtime(Path(app.outdir))
+
+
+def setup(app):
+    app.connect("doctree-resolved", _replace_widget_outputs)
+    app.connect("html-page-context", _add_assets)
+    app.connect("build-finished", _write_runtime)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
