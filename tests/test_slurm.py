@@ -4,6 +4,7 @@ of ranks per node (CPUs here, not GPUs), the training arguments and the virtual 
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +16,32 @@ from scalebook.train.cli import run_local
 ROOT = Path(__file__).resolve().parents[1]
 VENV = str(Path(sys.executable).parents[1])
 ARGS = "--steps 4 --micro-batch 1 --global-batch 4 --seq-len 32"
+
+
+def test_cluster_down_stops_every_daemon_it_started_and_removes_its_files(tmp_path):
+    # The issue: `make cluster-down` left the munged that `cluster-up` started running, and its folder behind.
+    # A cluster of its own (own ports, own munged socket), so the module's shared cluster is not touched.
+    workdir = tmp_path / "scalebook-slurm"
+    cluster = LocalCluster(workdir, controller_port=16937, node_port=17121)
+
+    def ours() -> str:  # every process of this cluster names its workdir on its command line
+        return subprocess.run(["pgrep", "-a", "-f", str(workdir)], capture_output=True, text=True).stdout
+
+    try:
+        cluster.up()
+        started = ours()
+        for daemon in ("munged", "slurmctld", "slurmd -N n1", "slurmd -N n2"):
+            assert daemon in started
+        assert cluster.munge_socket.exists() and str(workdir) in Path("/etc/hosts").read_text()
+        # As `make cluster-down` runs it: only the workdir, the ports come from the files up() wrote.
+        down = subprocess.run([sys.executable, "-m", "scalebook.cluster", "down", "--workdir", str(workdir)],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert down.returncode == 0, down.stderr
+    finally:
+        cluster.down()  # a no-op when the command above did its job
+    assert ours() == ""
+    assert not workdir.exists() and not cluster.munge_socket.parent.exists()
+    assert str(workdir) not in Path("/etc/hosts").read_text()
 
 
 @pytest.fixture(scope="module")

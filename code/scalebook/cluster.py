@@ -1,8 +1,10 @@
 """A real SLURM cluster on one machine: a controller and two emulated GPU nodes, for tests and readers.
 
-``LocalCluster(workdir).up()`` writes a ``slurm.conf`` into ``workdir``, starts ``munged`` (the
-authentication daemon), ``slurmctld`` (the controller) and one ``slurmd`` per emulated node, and waits
-until the nodes are idle; ``down()`` stops them all and removes what ``up()`` added to ``/etc/hosts``.
+``LocalCluster(workdir).up()`` writes a ``slurm.conf`` into ``workdir``, starts its own ``munged`` (the
+authentication daemon, on a socket of its own, so clusters and a system munged do not share one), ``slurmctld``
+(the controller) and one ``slurmd`` per emulated node, and waits until the nodes are idle; ``down()`` stops every
+daemon ``up()`` started, munged included, removes the files it wrote (``workdir`` itself once empty) and its line
+in ``/etc/hosts``.
 Clients (``sbatch``, ``squeue``, ``scontrol``) find the cluster through the ``SLURM_CONF`` variable,
 which :meth:`LocalCluster.env` supplies. From a shell: ``python -m scalebook.cluster up|down|status``
 (or ``make cluster-up`` / ``make cluster-down``).
@@ -23,6 +25,7 @@ Source: SLURM documentation, "slurm.conf", "gres.conf" and "Multiple slurmd supp
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -35,13 +38,16 @@ GPUS_PER_NODE = 4
 CPUS_PER_NODE = 16
 _HOSTS_MARK = "# scalebook local SLURM cluster"
 _DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol")
+# What up() creates in its workdir; down() removes exactly these, so a workdir holding other files survives.
+_WORKDIR_ENTRIES = ("slurm.conf", "gres.conf", "state", "log", "gpu", "spool", "munge", "slurmctld.pid",
+                    *(f"slurmd.{n}.pid" for n in NODES))  # fmt: skip
 
 
 class ClusterError(RuntimeError):
     """The local cluster could not start, or a job did not finish as expected."""
 
 
-def _slurm_conf(workdir: Path, controller_port: int, node_port: int) -> str:
+def _slurm_conf(workdir: Path, controller_port: int, node_port: int, munge_socket: Path) -> str:
     first, last = node_port, node_port + len(NODES) - 1
     return f"""\
 ClusterName=scalebook
@@ -51,6 +57,7 @@ SlurmdPort={node_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=socket={munge_socket}
 StateSaveLocation={workdir}/state
 SlurmdSpoolDir={workdir}/spool/%n
 SlurmctldPidFile={workdir}/slurmctld.pid
@@ -95,6 +102,13 @@ class LocalCluster:
     def conf(self) -> Path:
         return self.workdir / "slurm.conf"
 
+    @property
+    def munge_socket(self) -> Path:
+        """This cluster's munged socket. munged wants every directory above it searchable by all users, which a
+        private workdir (pytest's are 0700) is not, so it lives in /run, named after the workdir."""
+        digest = hashlib.sha256(str(self.workdir).encode()).hexdigest()[:12]
+        return Path("/run", f"scalebook-munge-{digest}", "munge.socket")
+
     def env(self) -> dict[str, str]:
         """The environment for SLURM clients (``sbatch``, ``squeue``...) talking to this cluster."""
         return {**os.environ, "SLURM_CONF": str(self.conf)}
@@ -124,7 +138,7 @@ class LocalCluster:
         for i in range(GPUS_PER_NODE):
             (self.workdir / "gpu" / f"gpu{i}").touch()
             gpu_files.append(str(self.workdir / "gpu" / f"gpu{i}"))
-        self.conf.write_text(_slurm_conf(self.workdir, self.controller_port, self.node_port))
+        self.conf.write_text(_slurm_conf(self.workdir, self.controller_port, self.node_port, self.munge_socket))
         # A count-only gres.conf leaves the nodes INVAL: every GPU needs a device file, here an empty one.
         (self.workdir / "gres.conf").write_text(
             f"NodeName=n[1-{len(NODES)}] Name=gpu File={self.workdir}/gpu/gpu[0-{GPUS_PER_NODE - 1}]\n"
@@ -138,23 +152,37 @@ class LocalCluster:
         self._wait_idle(timeout)
         return self
 
+    @property
+    def _hosts_line(self) -> str:
+        # One line per cluster, so that taking one cluster down leaves another's names resolvable.
+        return f"127.0.0.1 {' '.join(NODES)} {_HOSTS_MARK} {self.workdir}\n"
+
     def _add_hosts(self) -> None:
-        # Rendezvous resolves node names; without these lines it fails after minutes, not seconds.
+        # Rendezvous resolves node names; without this line it fails after minutes, not seconds.
         hosts = Path("/etc/hosts")
         text = hosts.read_text()
-        if _HOSTS_MARK not in text:
-            hosts.write_text(text.rstrip("\n") + "\n" + "".join(f"127.0.0.1 {n} {_HOSTS_MARK}\n" for n in NODES))
+        if self._hosts_line not in text:
+            hosts.write_text(text.rstrip("\n") + "\n" + self._hosts_line)
+
+    def _munged(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["munged", f"--socket={self.munge_socket}", *args], capture_output=True, text=True)
 
     def _start_munge(self) -> None:
-        if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0:
-            return
-        run_dir = Path("/run/munge")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        shutil.chown(run_dir, "munge", "munge")
-        if not Path("/etc/munge/munge.key").exists():
-            subprocess.run(["mungekey", "--create"], check=True)
-            shutil.chown("/etc/munge/munge.key", "munge", "munge")
-        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
+        munge = self.workdir / "munge"
+        munge.mkdir(mode=0o700, exist_ok=True)
+        key = munge / "munge.key"
+        if not key.exists():
+            key.write_bytes(os.urandom(1024))
+            key.chmod(0o600)
+        self.munge_socket.parent.mkdir(mode=0o755, exist_ok=True)
+        started = self._munged(
+            f"--key-file={key}",
+            f"--pid-file={munge}/munged.pid",
+            f"--seed-file={munge}/munged.seed",
+            f"--log-file={self.workdir}/log/munged.log",
+        )
+        if started.returncode != 0:
+            raise ClusterError(f"munged did not start: {started.stderr.strip()}")
 
     def _wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -170,8 +198,9 @@ class LocalCluster:
 
     # -- stopping ------------------------------------------------------------------------------
 
-    def down(self) -> None:
-        """Stop the daemons this cluster started and undo the /etc/hosts entries. Safe to call twice."""
+    def down(self, *, keep_files: bool = False) -> None:
+        """Stop the daemons this cluster started (munged included), remove its /etc/hosts line and, unless
+        ``keep_files`` (to read the logs of a failed start), the files ``up()`` wrote. Safe to call twice."""
         if self.conf.exists():
             subprocess.run(["scontrol", "shutdown"], env=self.env(), capture_output=True, timeout=30)
         deadline = time.monotonic() + 15
@@ -179,10 +208,25 @@ class LocalCluster:
             time.sleep(0.2)
         for name in ("slurmd", "slurmctld"):  # whatever did not stop by itself
             subprocess.run(["pkill", "-9", "-f", f"{name} .*{self.conf}"], capture_output=True)
+        if self.munge_socket.exists():
+            self._munged("--stop")  # waits until the daemon bound to the socket has exited
+        shutil.rmtree(self.munge_socket.parent, ignore_errors=True)
         hosts = Path("/etc/hosts")
         text = hosts.read_text()
-        if _HOSTS_MARK in text:
-            hosts.write_text("".join(line for line in text.splitlines(True) if _HOSTS_MARK not in line))
+        if self._hosts_line in text:
+            hosts.write_text(text.replace(self._hosts_line, ""))
+        if not keep_files:
+            self._remove_files()
+
+    def _remove_files(self) -> None:
+        for name in _WORKDIR_ENTRIES:
+            entry = self.workdir / name
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink(missing_ok=True)
+        if self.workdir.is_dir() and not any(self.workdir.iterdir()):
+            self.workdir.rmdir()
 
     def _running(self, *names: str) -> bool:
         return any(
@@ -194,7 +238,7 @@ class LocalCluster:
         try:
             return self.up()
         except BaseException:
-            self.down()
+            self.down(keep_files=True)  # the error names a log in the workdir
             raise
 
     def __exit__(self, *exc) -> None:
