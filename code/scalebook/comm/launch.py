@@ -10,6 +10,10 @@ Two ways in:
   SLURM_PROCID/SLURM_NTASKS/... and initialises the default process group, with NCCL on CUDA
   machines and gloo elsewhere.
 
+With ``check_nccl=True``, or while ``SCALEBOOK_CHECK_NCCL=1`` is set, every rank records its communication
+and the run fails unless NCCL could have paired it (:mod:`scalebook.comm.nccl_rules`); ``init_from_env``
+honours the same variable.
+
 ``spawn`` starts fresh interpreters that import ``fn`` by name, so ``fn`` must live in an importable
 module (the package, a script's module, a test file), not in a notebook cell.
 
@@ -33,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from scalebook.comm import nccl_rules
 
 STARTUP_ALLOWANCE = 120.0  # seconds for all ranks to start and join the process group
 
@@ -127,6 +133,8 @@ def init_from_env(timeout: float = 600.0) -> DistEnv:
         torch.cuda.set_device(device)
     if dist.is_initialized():
         return env
+    if backend == "gloo" and nccl_rules.checking_enabled():
+        nccl_rules.record_until_destroy()
     wait = timedelta(seconds=timeout)
     if env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         store, _, _ = next(dist.rendezvous("env://", timeout=wait))  # a client of the agent's store
@@ -163,7 +171,7 @@ def _check_picklable_by_name(fn) -> None:
         )
 
 
-def _rank_main(rank, world_size, port, backend, timeout, threads, fn, args, kwargs, outdir):
+def _rank_main(rank, world_size, port, backend, timeout, threads, check_nccl, fn, args, kwargs, outdir):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -184,8 +192,11 @@ def _rank_main(rank, world_size, port, backend, timeout, threads, fn, args, kwar
             timeout=timedelta(seconds=timeout),
         )
         (Path(outdir) / f"rank{rank}.ready").touch()
+        recorder = nccl_rules.start_recording() if check_nccl else None
         outcome["result"] = fn(*args, **kwargs)
         dist.barrier()  # nobody tears down while a peer still talks to it
+        if recorder is not None:
+            outcome["nccl_calls"] = nccl_rules.stop_recording(recorder)
     except BaseException:
         outcome["error"] = traceback.format_exc()
         outcome["failed_at"] = time.time()  # the first failure is the cause; later ones are echoes
@@ -204,12 +215,15 @@ def launch(
     backend: str | None = None,
     timeout: float = 120.0,
     threads_per_rank: int = 1,
+    check_nccl: bool | None = None,
     **kwargs,
 ) -> list:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` fresh local ranks; return their results by rank.
 
     ``timeout`` bounds the whole launch (and each collective): ranks still running after it are killed
-    and a :class:`LaunchError` reports them as hung.
+    and a :class:`LaunchError` reports them as hung. ``check_nccl`` (default: the ``SCALEBOOK_CHECK_NCCL``
+    variable) records every rank's communication and raises a :class:`LaunchError` where NCCL could not
+    have paired it (:mod:`scalebook.comm.nccl_rules`).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -217,13 +231,14 @@ def launch(
         raise ValueError(f"timeout must be positive seconds, got {timeout}")
     _check_picklable_by_name(fn)
     backend = backend or backend_and_device()[0]
+    check_nccl = nccl_rules.checking_enabled() if check_nccl is None else bool(check_nccl)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="scalebook-launch-") as outdir:
         port = free_port()
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(rank, world_size, port, backend, timeout, threads_per_rank, fn, args, kwargs, outdir),
+                args=(rank, world_size, port, backend, timeout, threads_per_rank, check_nccl, fn, args, kwargs, outdir),
                 daemon=False,
             )
             for rank in range(world_size)
@@ -299,4 +314,11 @@ def _results_or_raise(outcomes: dict[int, dict], hung: list[int], procs: list, t
     if missing:
         codes = {r: procs[r].exitcode for r in missing}
         raise LaunchError(f"ranks {missing} died without reporting (exit codes {codes})")
+    if "nccl_calls" in outcomes[0]:
+        problems = nccl_rules.check([outcomes[r]["nccl_calls"] for r in range(world_size)])
+        if problems:
+            raise LaunchError(
+                "every rank returned on gloo, but NCCL could not have run this communication "
+                "(scalebook.comm.nccl_rules; launch(..., check_nccl=False) opts out):\n  " + "\n  ".join(problems)
+            )
     return [outcomes[r]["result"] for r in range(world_size)]
