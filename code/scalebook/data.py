@@ -65,12 +65,7 @@ def _corpus_files(path: Path) -> list[Path]:
 
 
 def _text_bytes(file: Path) -> bytes:
-    """A file's bytes, refused if unreadable or binary.
-
-    The rule: binary means a NUL byte anywhere, or more than ``MAX_CONTROL_SHARE`` (1 %) of the bytes are control
-    codes that no text encoding uses (``_CONTROL_BYTES``). Bytes that are not valid UTF-8 are kept: they are text in a
-    single-byte encoding such as Latin-1, and the byte tokenizer trains on them unchanged.
-    """
+    """A file's bytes, refused if unreadable or binary (the rule of :func:`corpus_bytes`)."""
     try:
         raw = file.read_bytes()
     except OSError as err:
@@ -92,7 +87,12 @@ def corpus_bytes(path: str | os.PathLike | None = None) -> bytes:
     """The corpus at ``path`` as the exact bytes the byte tokenizer trains on (a folder's files joined by a blank line).
 
     ``None`` is the embedded corpus in UTF-8. Raises one ValueError naming the path (or the folder's file) and what to
-    change when it is missing, unreadable, a folder without text files, binary (see :func:`_text_bytes`) or empty.
+    change when it is missing, unreadable, a folder without text files, binary or empty.
+
+    Binary means a NUL byte anywhere (UTF-16 text has them too), or more than ``MAX_CONTROL_SHARE`` (1 %) of the bytes
+    are control codes that no text encoding uses for text (0x01-0x08, 0x0E-0x1A, 0x1C-0x1F, 0x7F). Bytes that are not
+    valid UTF-8 are kept: each is a letter or sign in some single-byte encoding (Latin-1, Windows-1252...), and the
+    byte tokenizer trains on them unchanged.
     """
     if path is None:
         return default_corpus().encode("utf-8")
