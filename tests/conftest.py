@@ -22,6 +22,10 @@ BUILD_TIMEOUT_S = 900
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 PROBLEM = re.compile(r"WARNING|ERROR|SEVERE|CRITICAL|Exception|Traceback|Error:")
 
+# Every distributed test runs under NCCL's rules (scalebook.comm.nccl_rules): launch() and init_from_env() (the CLI
+# under torchrun) read this variable, set at import time so that every rank and subprocess inherits it.
+os.environ.setdefault("SCALEBOOK_CHECK_NCCL", "1")
+
 
 def toc_files() -> list[str]:
     """Every ``file:`` entry of _toc.yml (the root first), in order, as written (no suffix)."""

@@ -15,8 +15,9 @@ same order as ``dist.all_reduce`` on gloo and the results agree bit for bit, ran
 tree and the naive exchange add the same numbers in other orders, so with floats they agree to rounding
 (each of the n-1 additions rounds once); with integer-valued tensors every order is exact.
 
-Only ``torch.distributed.isend``/``irecv``/``send``/``recv`` move data here, called through the module so
-that :func:`scalebook.comm.traffic.count_traffic` measures the bytes. Chapter 9's experiments on them (every
+Only ``torch.distributed`` point-to-point calls move data here (``batch_isend_irecv`` where ranks send and
+receive at once, as NCCL needs; ``send``/``recv`` in the tree), called through the module so that
+:func:`scalebook.comm.traffic.count_traffic` measures the bytes. Chapter 9's experiments on them (every
 library collective on labelled data, the algorithms compared) are in :mod:`scalebook.experiments.collectives`.
 
 Source: Patarasuk and Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations"
@@ -66,15 +67,16 @@ def _check_tensor(tensor) -> None:
 def _exchange(outgoing: torch.Tensor, to: int, incoming: torch.Tensor, source: int, group) -> None:
     """Send ``outgoing`` to group rank ``to`` while receiving ``incoming`` from ``source``.
 
-    Both are posted before either is waited on: in a ring every rank sends and receives at once, and
-    blocking sends could all wait for receives nobody has posted yet. Empty chunks are not sent at all.
+    Both go in one ``batch_isend_irecv``: in a ring every rank sends and receives at once, and NCCL runs
+    a rank's calls in order, so a send posted on its own would wait for a receive that its neighbour posts
+    only after its own send (:mod:`scalebook.comm.nccl_rules`). Empty chunks are not sent at all.
     """
-    works = []
+    ops = []
     if incoming.numel():
-        works.append(dist.irecv(incoming, group_src=source, group=group))
+        ops.append(dist.P2POp(dist.irecv, incoming, group=group, group_peer=source))
     if outgoing.numel():
-        works.append(dist.isend(outgoing, group_dst=to, group=group))
-    for work in works:
+        ops.append(dist.P2POp(dist.isend, outgoing, group=group, group_peer=to))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
 
 
@@ -171,9 +173,10 @@ def naive_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     mine = tensor.detach().reshape(-1).clone()
     copies = [mine if peer == rank else torch.empty_like(mine) for peer in range(n)]
-    works = [dist.irecv(copies[peer], group_src=peer, group=group) for peer in range(n) if peer != rank]
-    works += [dist.isend(mine, group_dst=peer, group=group) for peer in range(n) if peer != rank]
-    for work in works:
+    # One batch: NCCL runs it as one group call, where the n - 1 sends and receives progress together.
+    ops = [dist.P2POp(dist.irecv, copies[peer], group=group, group_peer=peer) for peer in range(n) if peer != rank]
+    ops += [dist.P2POp(dist.isend, mine, group=group, group_peer=peer) for peer in range(n) if peer != rank]
+    for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
     total = copies[0].clone()
     for copy in copies[1:]:
