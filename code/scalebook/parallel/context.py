@@ -82,25 +82,26 @@ def validate_context_parallel(seq_len: int, cp: int, split: str = "zigzag") -> N
         raise ValueError("invalid context-parallel layout: " + "; ".join(problems))
 
 
-def token_positions(seq_len: int, cp: int, rank: int, split: str = "zigzag") -> torch.Tensor:
-    """The positions (in the full sequence) of the tokens rank ``rank`` holds, in the order it holds them."""
+def token_positions(seq_len: int, cp: int, rank: int, split: str = "zigzag", device=None) -> torch.Tensor:
+    """The positions (in the full sequence) of the tokens rank ``rank`` holds, in the order it holds them, on
+    ``device`` (the default device if None)."""
     validate_context_parallel(seq_len, cp, split)
     if split == "contiguous":
-        return torch.arange(seq_len).chunk(cp)[rank]
-    chunks = torch.arange(seq_len).chunk(2 * cp)
+        return torch.arange(seq_len, device=device).chunk(cp)[rank]
+    chunks = torch.arange(seq_len, device=device).chunk(2 * cp)
     return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]])
 
 
 def shard_sequence(x: torch.Tensor, cp: int, rank: int, *, dim: int = -2, split: str = "zigzag") -> torch.Tensor:
     """Rank ``rank``'s tokens of ``x`` along ``dim`` (a copy)."""
-    return x.index_select(dim, token_positions(x.shape[dim], cp, rank, split)).clone()
+    return x.index_select(dim, token_positions(x.shape[dim], cp, rank, split, x.device)).clone()
 
 
 def unshard_sequence(pieces: list[torch.Tensor], *, dim: int = -2, split: str = "zigzag") -> torch.Tensor:
     """Put every rank's tokens back in sequence order (the inverse of :func:`shard_sequence`)."""
     cp = len(pieces)
     seq_len = sum(p.shape[dim] for p in pieces)
-    order = torch.cat([token_positions(seq_len, cp, r, split) for r in range(cp)])
+    order = torch.cat([token_positions(seq_len, cp, r, split, pieces[0].device) for r in range(cp)])
     return torch.cat(pieces, dim=dim).index_select(dim, torch.argsort(order))
 
 
@@ -394,6 +395,6 @@ def context_parallel_batch(
     if idx.dim() != 2:
         raise ValueError(f"idx must be a (batch, tokens) tensor, got shape {tuple(idx.shape)}")
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    positions = token_positions(idx.shape[1], cp, rank, split).to(idx.device)
+    positions = token_positions(idx.shape[1], cp, rank, split, idx.device)
     mine = None if targets is None else targets.index_select(1, positions)
     return idx.index_select(1, positions), mine, positions

@@ -192,7 +192,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
         count = config.n_experts if local_experts is None else local_experts
         self.experts = nn.ModuleList(Expert(config.d_model, config.d_ff, config.mlp_bias) for _ in range(count))
-        self.register_buffer("bias", torch.zeros(config.n_experts))
+        self.register_buffer("bias", torch.zeros(config.n_experts, device=self.router.weight.device))
         self.dropout = nn.Dropout(config.dropout)
         self.balance_by_bias = False
         self.routings: list[Routing] = []
@@ -290,7 +290,8 @@ class ExpertParallelMoE(MoE):
     @classmethod
     def from_moe(cls, moe: MoE, group=None) -> ExpertParallelMoE:
         """Copy the router, the selection bias and this rank's experts from an unsharded :class:`MoE`."""
-        ep_moe = cls(moe.config, group).to(moe.router.weight.device, moe.router.weight.dtype)
+        with torch.device(moe.router.weight.device):  # built where the MoE is, not on the CPU and then copied
+            ep_moe = cls(moe.config, group).to(moe.router.weight.dtype)
         ep_moe.load_state_dict(_local_experts(moe.state_dict(), ep_moe.first_expert, ep_moe.local))
         ep_moe.balance_by_bias = moe.balance_by_bias
         ep_moe.train(moe.training)
