@@ -180,7 +180,8 @@ IMPOSSIBLE = [
     (["--strategy", "ddp", "--ep", "2"], 2, "--ep 2 shards the experts of a mixture-of-experts model: add --moe"),
     (["--strategy", "ddp", "--ep", "3", "--moe-experts", "6"], 2, "--ep 3 must divide the data-parallel degree dp = 2"),
     (["--pp", "3"], 3, "--pp 3: the 4 layers must split evenly over the stages; choose --pp from [1, 2, 4]"),
-    (["--strategy", "3d", "--dp", "2", "--pp", "2", "--micro-batch", "4"], 4, "--pp 2: the 1F1B schedule needs at "
+    (["--strategy", "3d", "--dp", "2", "--pp", "2", "--micro-batch", "4", "--global-batch", "8"], 4, "--pp 2: the "
+     "1F1B schedule needs at "
      "least as many micro-batches per step as stages, got --global-batch / (--micro-batch x dp) = 8 / (4 x 2) = 1"),
     (["--strategy", "ddp", "--cp", "2", "--seq-len", "30"], 2, "--cp 2: invalid context-parallel layout: ring "
      "attention cuts the sequence into 4 equal chunks, so seq_len (30) must be divisible by 4"),

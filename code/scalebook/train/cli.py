@@ -25,14 +25,21 @@ the scale out), the gradient norm moves by that factor, from the first step.
 Rank 0 prints one JSON object per logged step to stdout (``step``, ``loss``, ``grad_norm``, ``lr``,
 ``world_size``, ``tokens_per_s``, ``step_time``, ``state_bytes``, and ``mfu`` when ``--peak-flops`` is given)
 and appends the same lines to ``--metrics`` if set; a tqdm bar goes to stderr. With ``--checkpoint-dir``
-the run saves every ``--checkpoint-every`` steps (atomically, see :mod:`scalebook.train.checkpoint`): each
-rank whose state is its own writes its file, and rank 0's also holds the whole model gathered from the
-shards, stages and experts; ``--resume`` continues from the newest complete checkpoint with bit-identical
-losses on CPU. The checkpoint records the run's arguments (``"args"``) but the resume does not compare
-them with the new ones: resuming with another ``--global-batch`` or ``--steps`` runs a different experiment.
+the run saves every ``--checkpoint-every`` steps (atomically, with a manifest of SHA-256 sums, see
+:mod:`scalebook.train.checkpoint`): each rank whose state is its own writes its file, and rank 0's also
+holds the whole model gathered from the shards, stages and experts; ``--resume`` continues from the newest
+intact checkpoint with bit-identical losses on CPU.
+
+Failing loudly. :mod:`scalebook.train.preflight` checks the arguments, the layout, the paths, the data and
+a resume's checkpoint on every rank before any of them starts work; an error is printed once, by rank 0,
+and every rank exits with code 2. A step whose loss or gradient norm is not finite never updates the
+weights, and stops the run (exit code 1, naming the last good checkpoint) unless ``--skip-nonfinite``
+allows skipping it; a checkpoint is saved only of finite weights, so ``latest`` never points at a
+diverged model.
 
 Source: PyTorch documentation, "torchrun (Elastic Launch)", "DistributedDataParallel" and
-"torch.distributed.fsdp.fully_shard"; SLURM documentation, "srun"; torchtitan ``train.py``.
+"torch.distributed.fsdp.fully_shard"; SLURM documentation, "srun"; torchtitan ``train.py``;
+Micikevicius et al. 2018 (skipping the update of a step with non-finite gradients).
 """
 
 from __future__ import annotations
@@ -46,17 +53,36 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# --strategy -> the data-parallel wrapper of ParallelDims; tp, pp and 3d average their replicas with the book's DDP.
-STRATEGIES = {"single": None, "torch-ddp": "torch-ddp", "fsdp": "fsdp", "ddp": "ddp", "zero1": "zero1",
-              "zero2": "zero2", "zero3": "zero3", "tp": "ddp", "pp": "ddp", "3d": "ddp"}  # fmt: skip
+from scalebook.train.preflight import STRATEGIES, Plan, layout, model_config, preflight
+
+__all__ = ["LocalRun", "TrainingDiverged", "build_parser", "layout", "main", "run", "run_local"]
+
 SIZES = ("tiny", "small", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss, gradient norm or weights: the run stopped (exit code 1) without saving them."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is reported once in a distributed run: rank 0 prints it, without the usage text
+    (``--help`` has it), and every rank exits with argparse's code 2."""
+
+    def error(self, message: str):
+        from scalebook.comm import detect_env
+
+        if detect_env().rank == 0:
+            self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")
+        self.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m scalebook.train",
         description="Train the book's GPT in any parallel layout, on CPUs (gloo) or GPUs (NCCL). "
-        "Run directly for one process, or under torchrun / srun for several ranks.",
+        "Run directly for one process, or under torchrun / srun for several ranks. Every argument, path, the "
+        "data and a --resume's checkpoint are checked before any rank starts work. Exit codes: 0 done (or "
+        "nothing to do), 1 the run failed or diverged, 2 invalid arguments.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("layout (dp x tp x pp x cp = the number of ranks)")
@@ -88,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="context-parallel degree: ring attention over a zig-zag split of each sequence into "
-        "2 x cp chunks (--seq-len must divide evenly)",
+        "2 x cp chunks (--seq-len must divide evenly); the cp ranks average their gradients as replicas do, "
+        "so with a data-parallel --strategy (not single), and not with --pp or --sequence-parallel",
     )
     g.add_argument(
         "--ep",
@@ -118,9 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--global-batch",
         type=int,
-        default=8,
+        default=None,
         help="sequences per optimizer step over all ranks = micro-batch x dp x micro-batches per step "
-        "(under --pp the micro-batches are the pipeline's)",
+        "(under --pp the micro-batches are the pipeline's); default: the smallest multiple of micro-batch x dp "
+        "that is at least 8 and gives each replica at least --pp micro-batches, so any number of ranks works",
     )
     g.add_argument("--steps", type=int, default=20, help="optimizer steps")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -128,10 +156,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-steps", type=int, default=5, help="linear warm-up steps")
     g.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16 = autocast mixed precision")
     g.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the data order")
+    g.add_argument(
+        "--skip-nonfinite",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a step whose loss or gradient norm is NaN or infinite never updates the weights; the run stops at "
+        "the first such step (exit code 1, naming the last good checkpoint) unless N > 0: then up to N such "
+        "steps are skipped (no optimizer update, a line on stderr each) and the run stops at the next one",
+    )
     g = p.add_argument_group("checkpoints and logging")
     g.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (none are written if unset)")
     g.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
-    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest intact checkpoint in --checkpoint-dir (each file's SHA-256 is checked; "
+        "a corrupt one is passed over, saying so); --model, --moe-experts, --moe-top-k, --seq-len, "
+        "--global-batch, --seed and --data must equal the checkpoint's; the layout may change where every "
+        "replica holds the whole state (not ZeRO, FSDP2 or experts); with no checkpoint yet, start at step 0",
+    )
     g.add_argument("--log-every", type=int, default=1, help="steps between metric lines")
     g.add_argument("--metrics", default=None, help="also append the JSON metric lines to this file")
     g.add_argument("--peak-flops", type=float, default=None, help="per-device peak FLOP/s, to report MFU")
@@ -145,50 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
         "only (TORCHELASTIC_RESTART_COUNT unset or 0), to exercise restarts and --resume",
     )
     return p  # fmt: skip
-
-
-def model_config(args: argparse.Namespace):
-    """The GPTConfig of ``--model``, with ``--moe-experts`` experts per MLP when asked."""
-    from scalebook.model import GPTConfig
-
-    moe = {"n_experts": args.moe_experts, "expert_top_k": args.moe_top_k} if args.moe_experts else {}
-    return GPTConfig.named(args.model, **moe)
-
-
-def layout(args: argparse.Namespace, world_size: int):
-    """The run's :class:`~scalebook.parallel.dims.ParallelDims`, or one ValueError listing every problem with
-    the arguments, before any process group exists."""
-    from scalebook.parallel.dims import ParallelDims
-
-    problems = []
-    for name in ("seq_len", "micro_batch", "global_batch", "steps", "checkpoint_every", "log_every"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup_steps < 0:
-        problems.append(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
-    if not 0 < args.min_lr <= args.lr:
-        problems.append(f"need 0 < --min-lr <= --lr, got {args.min_lr} and {args.lr}")
-    if args.resume and not args.checkpoint_dir:
-        problems.append("--resume needs --checkpoint-dir")
-    if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
-        problems.append(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
-    try:
-        config = model_config(args)
-    except ValueError as error:
-        problems.append(f"--moe-experts {args.moe_experts} --moe-top-k {args.moe_top_k}: {error}")
-        config = model_config(argparse.Namespace(**{**vars(args), "moe_experts": 0}))
-    dims = None
-    if all(getattr(args, name) >= 1 for name in ("seq_len", "micro_batch", "global_batch")):
-        try:
-            dims = ParallelDims.build(world_size, config, seq_len=args.seq_len, global_batch=args.global_batch,
-                                      micro_batch=args.micro_batch, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp,
-                                      ep=args.ep, data_parallel=STRATEGIES[args.strategy],
-                                      sequence_parallel=args.sequence_parallel)  # fmt: skip
-        except ValueError as error:
-            problems += str(error).splitlines()[1:]
-    if problems:
-        raise ValueError("invalid arguments:\n  " + "\n  ".join(p.strip() for p in problems))
-    return dims
 
 
 class _Log:
@@ -237,10 +237,30 @@ class _Log:
                 handle.close()
 
 
+def _finite_weights(model) -> bool:
+    """Whether every weight on every rank is finite: one all-reduce, so every rank gets the same answer."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.model.parameters()]
+    finite = torch.tensor(float(all(bool(torch.isfinite(p).all()) for p in local)), device=model.device)
+    if model.dims.world_size > 1:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite.item())
+
+
+def _diverged(args, what: str, last_good: int | None) -> TrainingDiverged:
+    """The error that stops a diverged run: what was not finite, and where the last good checkpoint is."""
+    if last_good is not None:
+        where = f"the last good checkpoint is step {last_good} in {args.checkpoint_dir}"
+    else:
+        where = "no checkpoint was saved" + ("" if args.checkpoint_dir else " (no --checkpoint-dir)")
+    return TrainingDiverged(f"{what}: training diverged and stopped; {where}. Resume with a lower --lr, or let "
+                            "--skip-nonfinite N skip up to N such steps")  # fmt: skip
+
+
 def _save(args, model, step: int, generator: torch.Generator, losses: list[float]) -> None:
     """One checkpoint: every rank holding its own state writes its file; rank 0's also holds the whole model
-    (gathered: a collective); ``latest`` moves once every file is on disk."""
+    (gathered: a collective); once every file is on disk rank 0 writes the manifest, then moves ``latest``."""
     from scalebook.train import checkpoint
+    from scalebook.train.preflight import state_layout
 
     rank = model.mesh.rank if model.mesh else 0
     full = model.full_state_dict()
@@ -253,22 +273,24 @@ def _save(args, model, step: int, generator: torch.Generator, losses: list[float
             state["model"] = full
         checkpoint.save_shard(args.checkpoint_dir, step, rank, state)
     if model.dims.world_size > 1:
-        dist.barrier()  # every file is on disk before `latest` moves
+        dist.barrier()  # every file is on disk before the manifest lists them
     if rank == 0:
+        meta = {"args": vars(args), "world_size": model.dims.world_size, "layout": state_layout(args, model.dims)}
+        checkpoint.write_manifest(args.checkpoint_dir, step, meta)
         checkpoint.mark_complete(args.checkpoint_dir, step)
 
 
-def _resume(args, model, generator: torch.Generator) -> tuple[int, list[float]]:
-    """The step to start from and the losses so far: 0 and none, or the newest checkpoint's, loaded."""
+def _resume(args, model, generator: torch.Generator, start: int) -> list[float]:
+    """Load checkpoint ``start`` (the pre-flight's newest intact one) into ``model`` and ``generator``; the losses
+    so far (none when ``start`` is 0)."""
     from scalebook.train import checkpoint
 
-    step = checkpoint.latest_step(args.checkpoint_dir) if args.resume else None
-    if step is None:
-        return 0, []
-    state = checkpoint.load_shard(args.checkpoint_dir, step, model.checkpoint_rank)
+    if not start:
+        return []
+    state = checkpoint.load_shard(args.checkpoint_dir, start, model.checkpoint_rank)
     model.load_state_dict(state["local"])
     generator.set_state(state["generator"])
-    return step, state["losses"].tolist()
+    return state["losses"].tolist()
 
 
 def _fail_if_asked(args, step: int, rank: int, world_size: int) -> None:
@@ -279,17 +301,27 @@ def _fail_if_asked(args, step: int, rank: int, world_size: int) -> None:
         os._exit(1)
 
 
-def run(args: argparse.Namespace) -> list:
+def run(args: argparse.Namespace, plan: Plan | None = None) -> list:
     """Train as ``args`` say on this process's rank; return its :class:`~scalebook.train.loop.StepRecord` list
-    (rank 0 logs them). Joins the launcher's process group, or starts one under torchrun / srun."""
+    (rank 0 logs them). Runs :func:`~scalebook.train.preflight.preflight` unless given its ``plan``, then joins
+    the launcher's process group, or starts one under torchrun / srun. Raises :class:`TrainingDiverged` on
+    every rank at a non-finite step beyond ``--skip-nonfinite``, or non-finite weights at a checkpoint."""
     from scalebook import data
     from scalebook.comm import backend_and_device, detect_env, init_from_env
     from scalebook.model import GPT
     from scalebook.parallel.parallelize import parallelize
-    from scalebook.train.loop import TrainConfig, training_steps, weight_decay_groups
+    from scalebook.train.loop import TrainConfig, weight_decay_groups
 
     env = detect_env()
-    dims = layout(args, env.world_size)
+    plan = plan or preflight(args, env.world_size)
+    for note in plan.notes if env.rank == 0 else ():
+        print(note, file=sys.stderr, flush=True)
+    if plan.start == args.steps:
+        if env.rank == 0:
+            print(f"nothing to do: the checkpoint in {args.checkpoint_dir} is at step {plan.start} = --steps; "
+                  "pass a larger --steps to train further", file=sys.stderr, flush=True)  # fmt: skip
+        return []
+    dims = plan.dims
     # A data-parallel wrapper needs a process group, even of one rank (--strategy fsdp on one process).
     owns_group = (env.world_size > 1 or dims.data_parallel is not None) and not dist.is_initialized()
     if owns_group:
@@ -303,30 +335,52 @@ def run(args: argparse.Namespace) -> list:
                         param_groups=lambda m: weight_decay_groups(m, cfg.weight_decay),
                         bucket_cap_mb=args.bucket_cap_mb, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                         foreach=False)  # fmt: skip
-    tokens = data.tokenize(data.load_text(args.data))
+    tokens = data.read_corpus(args.data)
     generator = torch.Generator().manual_seed(args.seed)
-    start, losses = _resume(args, model, generator)
-    records, log = [], _Log(args, dims, env.rank, start)
+    losses = _resume(args, model, generator, plan.start)
+    log = _Log(args, dims, env.rank, plan.start)
     per_replica = args.micro_batch * dims.micro_batches
 
     def next_batch():  # every rank draws the global batch and keeps its replica's rows
         return data.get_batch(tokens, per_replica, args.seq_len, generator, rank=model.coords["dp"], world_size=dims.dp)
 
     try:
-        _fail_if_asked(args, start, env.rank, env.world_size)
-        model.model.train()
-        for record in training_steps(model, next_batch, cfg, start=start):
-            records.append(record)
-            losses.append(record.loss)
-            log(record, model)
-            if args.checkpoint_dir and (record.step % args.checkpoint_every == 0 or record.step == args.steps):
-                _save(args, model, record.step, generator, losses)
-            _fail_if_asked(args, record.step, env.rank, env.world_size)
+        return _train(args, model, next_batch, generator, cfg, plan.start, losses, log)
     finally:
         log.close()
         if owns_group and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _train(
+    args, model, next_batch, generator: torch.Generator, cfg, start: int, losses: list[float], log: _Log
+) -> list:
+    """The loop of :func:`run`: steps, logging, checkpoints, the non-finite steps' verdicts."""
+    from scalebook.train.loop import training_steps
+
+    rank, world_size = (model.mesh.rank, model.dims.world_size) if model.mesh else (0, 1)
+    records, skipped, last_good = [], 0, start or None
+    _fail_if_asked(args, start, rank, world_size)
+    model.model.train()
+    for record in training_steps(model, next_batch, cfg, start=start):
+        records.append(record)
+        losses.append(record.loss)
+        log(record, model)
+        if record.skipped:
+            skipped += 1
+            what = f"step {record.step}: loss {record.loss}, gradient norm {record.grad_norm}, not finite"
+            if skipped > args.skip_nonfinite:
+                raise _diverged(args, what, last_good)
+            if rank == 0:
+                print(f"{what}: its update skipped ({skipped} of --skip-nonfinite {args.skip_nonfinite})",
+                      file=sys.stderr, flush=True)  # fmt: skip
+        if args.checkpoint_dir and (record.step % args.checkpoint_every == 0 or record.step == args.steps):
+            if not _finite_weights(model):
+                raise _diverged(args, f"step {record.step}: the weights are not finite (not saved)", last_good)
+            _save(args, model, record.step, generator, losses)
+            last_good = record.step
+        _fail_if_asked(args, record.step, rank, world_size)
     return records
 
 
@@ -390,9 +444,15 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    env = detect_env()
     try:
-        layout(args, detect_env().world_size)
+        plan = preflight(args, env.world_size)
     except ValueError as error:
         parser.error(str(error))
-    run(args)
+    try:
+        run(args, plan)
+    except TrainingDiverged as error:
+        if env.rank == 0:
+            print(f"{parser.prog}: {error}", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -8,6 +8,11 @@ Options: bf16 autocast (mixed precision), activation checkpointing (recompute ea
 gradient clipping, linear warm-up then cosine decay of the learning rate, AdamW with weight decay on
 matrices only. The loop is deterministic for a given seed and thread count.
 
+A step whose loss or gradient norm is not finite (NaN or infinite) does not update the weights: the
+optimizer skips it, as a mixed-precision loss scaler does, and its record says ``skipped``. Whether the run
+goes on is the caller's decision (``python -m scalebook.train`` stops unless ``--skip-nonfinite`` allows
+it). Loss and gradient norm are the same on every rank, so every rank skips the same steps.
+
 Source: Loshchilov & Hutter 2019 (AdamW); Chen et al. 2016 (activation checkpointing);
 Micikevicius et al. 2018 (mixed precision).
 """
@@ -120,6 +125,7 @@ class StepRecord:
     grad_norm: float  # global L2 norm of the step's gradient, before clipping
     lr: float
     step_time: float  # wall-clock seconds
+    skipped: bool = False  # the loss or the gradient norm was not finite: no optimizer update
 
 
 def training_steps(
@@ -131,7 +137,8 @@ def training_steps(
     ``next_batch()`` gives this rank's share of the step's batch; ``model`` (see
     :func:`scalebook.parallel.parallelize.parallelize`) knows how its ranks split it. The same loop trains one
     process and every parallel layout, and never asks which: logging, checkpoints and progress bars are the
-    caller's, between the steps.
+    caller's, between the steps. A step with a non-finite loss or gradient norm is yielded with ``skipped``
+    set and leaves the weights and the optimizer state as they were.
     """
     clip = math.inf if cfg.grad_clip is None else cfg.grad_clip  # min(1, inf / norm) = 1: no clipping
     for step in range(start, cfg.steps):
@@ -144,8 +151,10 @@ def training_steps(
         with autocast_context(cfg.precision, model.device.type):
             loss = model.forward_backward(x.to(model.device), y.to(model.device))
         grad_norm = model.clip_grad_norm_(clip)
-        model.step()
-        yield StepRecord(step + 1, loss.item(), grad_norm.item(), lr, time.perf_counter() - t0)
+        finite = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())
+        if finite:
+            model.step()
+        yield StepRecord(step + 1, loss.item(), grad_norm.item(), lr, time.perf_counter() - t0, skipped=not finite)
 
 
 def train(

@@ -1,0 +1,296 @@
+"""Runs that fail loudly and never lose work (issue 20): each numbered failure of the issue that the runtime owns,
+reproduced, and what `python -m scalebook.train` does now.
+
+1. a corrupted checkpoint (flipped bytes, truncated, empty) is named and passed over for the previous one;
+2. a diverged run (NaN loss) stops naming the last good checkpoint, which stays `latest`;
+4. the default --global-batch fits any number of ranks, and an error is printed once, by rank 0, exit code 2;
+5. unwritable paths, missing or too little data fail before step 1;
+6. a resume that cannot continue names each differing setting (or the layout) instead of a KeyError;
+7. --cp runs as --help says.
+
+(Item 3, the data itself, is tests/test_data.py's; item 8, the cluster, tests/test_slurm.py's.)
+Most runs are in this process through the CLI's own `main` and `run`, on the tiny GPT for a few steps."""
+
+import argparse
+import math
+import re
+import shutil
+
+import pytest
+import torch
+
+from scalebook.comm import free_port
+from scalebook.train import checkpoint, cli
+from scalebook.train.loop import TrainConfig, training_steps
+from scalebook.train.preflight import RESUME_SETTINGS, default_global_batch, preflight
+
+SMALL = ["--steps", "4", "--micro-batch", "2", "--global-batch", "4", "--seq-len", "32", "--no-progress",
+         "--checkpoint-every", "2", "--log-every", "100"]  # fmt: skip
+
+
+def args_of(argv: list[str], **changes) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(cli.build_parser().parse_args(argv)), **changes})
+
+
+def steps(records) -> list[tuple[float, float]]:
+    return [(r.loss, r.grad_norm) for r in records]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[str, list]:
+    """SMALL trained once with checkpoints at steps 2 and 4; its (loss, grad norm) per step."""
+    ckpt = str(tmp_path_factory.mktemp("saved") / "ckpt")
+    return ckpt, steps(cli.run(args_of(SMALL, checkpoint_dir=ckpt)))
+
+
+def copy_of(saved, tmp_path) -> str:
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(saved[0], ckpt)
+    return ckpt
+
+
+# ----- 1. integrity ------------------------------------------------------------------------------------------
+
+
+def flip_4_kib(path):
+    data = bytearray(path.read_bytes())
+    data[100_000:104_096] = bytes(b ^ 0xFF for b in data[100_000:104_096])
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    "flipped": (flip_4_kib, "is corrupt: its SHA-256 differs from the one in manifest.json"),
+    "truncated": (lambda p: p.write_bytes(p.read_bytes()[:5000]), "is truncated: 5000 bytes, manifest.json says"),
+    "empty": (lambda p: p.write_bytes(b""), "is empty: 0 bytes, manifest.json says"),
+}
+
+
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+def test_a_corrupt_checkpoint_file_is_named_and_the_previous_checkpoint_used(kind, saved, tmp_path):
+    ckpt = copy_of(saved, tmp_path)
+    bad = checkpoint.step_dir(ckpt, 4) / "rank0.pt"
+    size = bad.stat().st_size
+    corrupt, message = CORRUPTIONS[kind]
+    corrupt(bad)
+    assert kind != "flipped" or bad.stat().st_size == size  # the same size: only a checksum can tell
+    # Before: torch.load resumed from the flipped bytes (loss 5.20 instead of 3.36), or failed deep inside.
+    with pytest.raises(checkpoint.CheckpointError, match=re.escape(f"{bad} {message}")):
+        checkpoint.load_shard(ckpt, 4, 0)
+    assert checkpoint.newest_intact(ckpt) == (2, [f"{bad} {message}" + ("" if kind == "flipped" else f" {size}")])
+
+
+def test_resume_passes_over_a_corrupt_checkpoint_saying_so_and_repeats_the_steps_bit_for_bit(saved, tmp_path, capsys):
+    ckpt = copy_of(saved, tmp_path)
+    flip_4_kib(checkpoint.step_dir(ckpt, 4) / "rank0.pt")
+    resumed = cli.run(args_of(SMALL, checkpoint_dir=ckpt, resume=True))
+    notes = capsys.readouterr().err.strip().splitlines()
+    assert notes == [f"--resume: {checkpoint.step_dir(ckpt, 4)}/rank0.pt is corrupt: its SHA-256 differs from the "
+                     "one in manifest.json; resuming from step 2, the newest intact checkpoint"]  # fmt: skip
+    assert steps(resumed) == saved[1][2:]  # steps 3 and 4 again, from step 2's state: the same arithmetic
+    assert checkpoint.newest_intact(ckpt) == (4, [])  # and step 4 is written afresh
+
+
+def test_no_intact_checkpoint_at_all_is_an_error_not_a_fresh_start(saved, tmp_path):
+    ckpt = copy_of(saved, tmp_path)
+    for step in (2, 4):
+        (checkpoint.step_dir(ckpt, step) / "rank0.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="--resume: no intact checkpoint under .*drop --resume to start from step 0"):
+        preflight(args_of(SMALL, checkpoint_dir=ckpt, resume=True), 1)
+
+
+# ----- 2. divergence -----------------------------------------------------------------------------------------
+
+
+def test_a_diverged_run_stops_naming_the_last_good_checkpoint_which_stays_latest(tmp_path, capsys):
+    # --lr 1e6: the loss is 5.5, then 1e12, then NaN at step 3 (measured). Before: exit 0, and a checkpoint of
+    # 53 NaN parameters became `latest`.
+    ckpt = tmp_path / "ckpt"
+    argv = [*SMALL, "--steps", "6", "--checkpoint-every", "1", "--lr", "1e6", "--checkpoint-dir", str(ckpt)]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "python -m scalebook.train: step 3: loss nan, gradient norm nan, not finite: training diverged and stopped; "
+        f"the last good checkpoint is step 2 in {ckpt}. Resume with a lower --lr, or let --skip-nonfinite N skip "
+        "up to N such steps"
+    ]
+    assert checkpoint.latest_step(ckpt) == 2 and not checkpoint.step_dir(ckpt, 3).exists()
+    assert all(torch.isfinite(t).all() for t in checkpoint.consolidate(ckpt)[0].values())
+
+
+def test_skip_nonfinite_skips_that_many_steps_then_stops(tmp_path, capsys):
+    argv = [*SMALL, "--steps", "8", "--lr", "1e6", "--skip-nonfinite", "2"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "step 3: loss nan, gradient norm nan, not finite: its update skipped (1 of --skip-nonfinite 2)"
+    assert err[1].startswith("step 4: loss nan") and err[1].endswith("(2 of --skip-nonfinite 2)")
+    assert err[2].startswith("python -m scalebook.train: step 5: loss nan") and "no checkpoint was saved" in err[2]
+    assert len(err) == 3
+
+
+def test_a_non_finite_step_leaves_weights_and_optimizer_untouched():
+    """The loop's part: a step whose loss is NaN (injected into step 2 here) is yielded as skipped, with no
+    optimizer update; the next step trains on."""
+    from scalebook import data
+    from scalebook.model import GPT, GPTConfig
+    from scalebook.parallel.parallelize import ParallelModel
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=16))
+    model = ParallelModel(gpt, torch.optim.AdamW(gpt.parameters()))
+    forward_backward, calls = model.forward_backward, []
+
+    def nan_at_step_2(x, y):
+        calls.append(1)
+        loss = forward_backward(x, y)
+        return loss * math.nan if len(calls) == 2 else loss
+
+    model.forward_backward = nan_at_step_2
+    generator, tokens = torch.Generator().manual_seed(0), data.corpus_tokens()[:10_000]
+    loop = training_steps(model, lambda: data.get_batch(tokens, 2, 16, generator), TrainConfig(steps=3, seq_len=16))
+    assert not next(loop).skipped
+    before = ({k: v.clone() for k, v in gpt.state_dict().items()}, model.optimizer.state_dict()["state"][0]["step"])
+    second = next(loop)
+    assert second.skipped and math.isnan(second.loss)
+    for name, tensor in gpt.state_dict().items():
+        assert torch.equal(tensor, before[0][name]), name  # bit for bit: no update
+    assert model.optimizer.state_dict()["state"][0]["step"] == before[1]  # Adam's step count did not move
+    third = next(loop)
+    assert not third.skipped and math.isfinite(third.loss)
+
+
+def test_a_non_finite_learning_rate_is_refused_before_step_1(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*SMALL, "--lr", "inf"])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "need 0 < --min-lr <= --lr, both finite, got 0.0003 and inf" in err
+
+
+# ----- 4. defaults that work; one message on rank 0 ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_every_strategy_runs_with_its_defaults_on_1_2_4_8_ranks(world_size):
+    # Before: --global-batch 8 with --micro-batch 4 allowed at most 2 replicas (the README's sbatch on 4 GPUs).
+    for strategy in cli.STRATEGIES:
+        if strategy == "single" and world_size > 1:
+            continue  # one replica by definition; test_cli_strategies checks its message
+        args = cli.build_parser().parse_args(["--strategy", strategy])
+        dims = cli.layout(args, world_size)
+        assert args.global_batch == 4 * world_size * dims.micro_batches and args.global_batch >= 8
+    # Under --pp each replica gets at least --pp micro-batches; a given --global-batch is kept.
+    args = cli.build_parser().parse_args(["--strategy", "3d", "--tp", "2", "--pp", "4", "--micro-batch", "1"])
+    assert cli.layout(args, 16).micro_batches == 4 and args.global_batch == 8
+    assert default_global_batch(cli.build_parser().parse_args(["--global-batch", "12"]), 2) == 8  # the rule alone
+    assert cli.build_parser().parse_args(["--global-batch", "12"]).global_batch == 12
+
+
+def test_an_error_under_torchrun_is_printed_once_by_rank_0_and_every_rank_exits_with_2(tmp_path):
+    # Before: each rank printed the usage text and its error (178 lines), after the process group started.
+    run = cli.run_local([*SMALL, "--strategy", "torch-ddp", "--data", str(tmp_path / "missing.txt")], nproc=2)
+    assert run.returncode != 0 and run.records == []
+    assert run.stderr.count(f"error: invalid arguments:\n  --data: data path {tmp_path / 'missing.txt'}") == 1
+    assert "usage:" not in run.stderr and "Traceback" not in run.stderr.split("error: invalid arguments")[0]
+    assert run.stderr.count("exitcode  : 2") >= 1 and "exitcode  : 1" not in run.stderr  # torchrun's summary
+
+
+# ----- 5. bad paths and data, before step 1 ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--metrics"])
+def test_an_unwritable_path_fails_before_step_1(flag, tmp_path, capsys):
+    # A path under a regular file: no folder can be made there, even by root (which chmod does not stop).
+    # Before: the first checkpoint or metric line failed, after --checkpoint-every steps of training.
+    (tmp_path / "file").write_text("x")
+    path = tmp_path / "file" / "sub" / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*SMALL, flag, str(path)])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == ""  # no step ran
+    assert f"{flag} {path} " in err and "(Not a directory: " in err and f"choose another {flag}" in err
+
+
+def test_missing_or_too_little_data_fails_before_step_1(tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    for data, fragment in (
+        (tmp_path / "missing.txt", "does not exist"),
+        (short, "has 9 byte tokens, fewer than the 33"),
+    ):
+        with pytest.raises(SystemExit):
+            cli.main([*SMALL, "--data", str(data)])
+        err = capsys.readouterr().err
+        assert f"--data: data path {data}" in err and fragment in err and "None" not in err
+
+
+# ----- 6. resume errors --------------------------------------------------------------------------------------
+
+CHANGED = {"model": "small", "moe_experts": 4, "moe_top_k": 1, "seq_len": 16, "global_batch": 8, "seed": 1,
+           "data": "corpus.txt"}  # fmt: skip
+
+
+def test_every_resume_setting_that_differs_is_named_with_both_values(saved, tmp_path):
+    # Before: another model size gave a tensor-size error deep in load_state_dict.
+    assert sorted(CHANGED) == sorted(RESUME_SETTINGS)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text " * 100)
+    changes = {**CHANGED, "data": str(corpus)}
+    with pytest.raises(ValueError) as error:
+        preflight(args_of(SMALL, checkpoint_dir=saved[0], resume=True, **changes), 1)
+    lines = str(error.value).splitlines()[1:]
+    assert len(lines) == len(RESUME_SETTINGS)  # one line each, nothing else
+    for name, value in changes.items():
+        flag = f"--{name.replace('_', '-')}"
+        original = getattr(args_of(SMALL), name)
+        expected = f"{flag}: the checkpoint (step 4 in {saved[0]}) has {original!r}, this run {value!r}; pass {flag} "
+        assert any(line.strip().startswith(expected + str(original)) for line in lines), name
+
+
+def test_a_layout_change_works_where_the_state_is_replicated_and_is_refused_where_it_is_not(saved, tmp_path,
+                                                                                           monkeypatch):  # fmt: skip
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    # One process -> the book's DDP (on a group of one rank): the same files, the same steps 3 and 4.
+    ckpt = copy_of(saved, tmp_path)
+    checkpoint.mark_complete(ckpt, 2)
+    resumed = cli.run(args_of([*SMALL, "--strategy", "ddp"], checkpoint_dir=ckpt, resume=True))
+    for got, expected in zip(steps(resumed), saved[1][2:], strict=True):  # one rank: the same sums (1e-6: a wrapper)
+        assert got == pytest.approx(expected, rel=1e-6)
+    # One process -> ZeRO-3 (before: KeyError: 'zero'), and ZeRO-3 -> one process (before: KeyError: 'optimizer').
+    with pytest.raises(ValueError, match=r"laid out as --tp 1 --pp 1 on 1 ranks, which this run \(--strategy zero3 "
+                       r"--dp 1 --tp 1 --pp 1 --cp 1 --ep 1 on 1 ranks\) cannot read"):  # fmt: skip
+        preflight(args_of([*SMALL, "--strategy", "zero3"], checkpoint_dir=saved[0], resume=True), 1)
+    zero3 = str(tmp_path / "zero3")
+    cli.run(args_of([*SMALL, "--strategy", "zero3", "--steps", "2"], checkpoint_dir=zero3))
+    with pytest.raises(ValueError, match=r"laid out as --strategy zero3 --dp 1 --tp 1 --pp 1 --cp 1 --ep 1 on 1 ranks, "
+                       r"which this run \(--tp 1 --pp 1 on 1 ranks\) cannot read"):  # fmt: skip
+        preflight(args_of(SMALL, checkpoint_dir=zero3, resume=True), 1)
+
+
+def test_steps_at_or_below_the_checkpoint_say_so(saved, capsys):
+    # Before: nothing happened, silently. Equal: a finished job submitted again has nothing to do (exit 0).
+    assert cli.run(args_of(SMALL, checkpoint_dir=saved[0], resume=True)) == []
+    assert capsys.readouterr().err == (f"nothing to do: the checkpoint in {saved[0]} is at step 4 = --steps; pass a "
+                                       "larger --steps to train further\n")  # fmt: skip
+    # Below: the run cannot go back.
+    with pytest.raises(ValueError, match="--steps 3 is below the checkpoint's step 4: a run cannot go back"):
+        preflight(args_of([*SMALL, "--steps", "3"], checkpoint_dir=saved[0], resume=True), 1)
+
+
+# ----- 7. --cp -----------------------------------------------------------------------------------------------
+
+
+def test_cp_is_offered_as_it_works():
+    """--help's terms: ring attention with a data-parallel --strategy, --seq-len divisible by 2 x cp, not with
+    --pp or --sequence-parallel. (Its runs equal one process: tests/test_cli_strategies.py, "cp", "dp2 x cp2",
+    "tp2 x cp2".) Before the runtime issue every strategy rejected it."""
+    (text,) = [action.help for action in cli.build_parser()._actions if "--cp" in action.option_strings]
+    assert "ring attention" in text and "not with --pp or --sequence-parallel" in text
+    for strategy in ("ddp", "torch-ddp", "fsdp", "zero1", "zero2", "zero3"):
+        dims = cli.layout(cli.build_parser().parse_args(["--strategy", strategy, "--cp", "2"]), 2)
+        assert (dims.cp, dims.dp) == (2, 1)
+    refused = {"need a data-parallel wrapper": ["--cp", "2"],
+               "must be divisible by 4": ["--cp", "2", "--seq-len", "30"],
+               "--cp 2 with --pp 2": ["--strategy", "ddp", "--cp", "2", "--pp", "2"]}  # fmt: skip
+    for message, argv in refused.items():
+        with pytest.raises(ValueError, match=message):
+            cli.layout(cli.build_parser().parse_args(argv), 2 * (1 + ("--pp" in argv)))
