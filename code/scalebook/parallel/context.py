@@ -186,12 +186,13 @@ def _start_pass(tensors: list[torch.Tensor], group, tag: int) -> tuple[list[torc
     """
     _, _, next_rank, prev_rank = _ring_peers(group)
     received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]  # q, k, v: views
-    works = []
+    ops = []
     for i, (out, into) in enumerate(zip(tensors, received, strict=True)):
-        # isend never blocks, so every rank can send before it receives without a deadlock.
-        works.append(dist.isend(out.contiguous(), dst=next_rank, group=group, tag=tag + i))
-        works.append(dist.irecv(into, src=prev_rank, group=group, tag=tag + i))
-    return received, works
+        ops.append(dist.P2POp(dist.isend, out.contiguous(), next_rank, group=group, tag=tag + i))
+        ops.append(dist.P2POp(dist.irecv, into, prev_rank, group=group, tag=tag + i))
+    # One batch: every rank sends before it receives, which NCCL (tags ignored, a rank's calls run in order)
+    # completes only when the sends and receives are one group call (scalebook.comm.nccl_rules).
+    return received, dist.batch_isend_irecv(ops)
 
 
 def _finish(works: list) -> None:
