@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: book test check lab bench clean venv notebooks train cluster-up cluster-down
+.PHONY: book test check lab bench gpu-check clean venv notebooks train cluster-up cluster-down
 
 venv: $(STAMP)
 
@@ -61,6 +61,15 @@ cluster-down: $(STAMP)
 ## bench: side-by-side benchmarks, written to bench/results.json (not part of `make test`)
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
+
+## gpu-check: on a machine with CUDA GPUs, every strategy on NCCL against one process, then GPT-2 124M's tokens/s,
+## MFU and peak memory (ours and a plain PyTorch loop, torch.compile off and on), into bench/gpu/; without CUDA it
+## says so and exits 0. It runs the machine's own PyTorch, not the CPU-pinned .venv: GPU_PYTHON (default python3
+## when it imports torch, else .venv's), with code/ on PYTHONPATH (or `pip install --no-deps -e .` there first).
+## Options through ARGS, e.g. ARGS="--skip-strategies --micro-batch 8"
+GPU_PYTHON ?= $(shell python3 -c "import torch" 2> /dev/null && echo python3 || echo $(BIN)/python)
+gpu-check:
+	PYTHONPATH=code$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) bench/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf _build .jupyter_cache .pytest_cache bench/results.json

@@ -1,0 +1,83 @@
+"""``make gpu-check`` (bench/gpu_check.py): without CUDA it claims nothing and exits 0; its arithmetic (the device's
+peak, MFU, the accounting's bytes), its loss comparison and its result files are right, checked here on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "bench" / "gpu_check.py"
+_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+gpu_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
+
+
+def test_without_cuda_it_runs_nothing_claims_nothing_and_exits_0(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert (done.returncode, done.stdout, done.stderr) == (0, "no CUDA device: nothing run, nothing claimed\n", "")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("device_name", "hardware"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 PCIe", None),  # 756 dense bf16 TFLOP/s, not the SXM part's 989.5
+        ("NVIDIA H100 NVL", None),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-80GB", "a100-sxm4-80gb"),
+        ("NVIDIA A100-SXM4-40GB", "a100-sxm4-40gb"),
+        ("Tesla V100-SXM2-32GB", "v100-sxm2-32gb"),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_device_names_match_their_configs_entry(device_name, hardware):
+    assert gpu_check.hardware_name(device_name) == hardware
+
+
+def test_mfu_of_gpt2_124m_on_an_h100():
+    # GPT-2 124M at 1,024 tokens, Narayanan et al.'s count: 3 (2 L 12 h^2 + 4 L s h) + 3 (2 h V) FLOPs per token,
+    # L = 12, h = 768, s = 1024, V = 50257: 3 (169,869,312 + 37,748,736) + 231,584,256 = 854,438,400. At 500,000
+    # tokens/s against the H100 SXM's dense bf16 peak of 989.5 TFLOP/s: 0.43175...
+    mfu = gpu_check.model_flops_utilization(500_000, "NVIDIA H100 80GB HBM3", 1024)
+    assert mfu == pytest.approx(854_438_400 * 500_000 / 989.5e12, rel=1e-12)
+    assert gpu_check.model_flops_utilization(500_000, "NVIDIA GeForce RTX 4090", 1024) is None
+
+
+def test_predicted_states_are_16_bytes_per_gpt2_parameter():
+    # Hugging Face's GPT2LMHeadModel has 124,439,808 parameters (the head tied to the embedding); fp32 weights
+    # and gradients, and AdamW's two fp32 moments: 16 bytes each.
+    predicted = gpu_check.predicted_step_bytes(16, 1024)
+    assert predicted["states"] == 16 * 124_439_808
+    assert predicted["total"] == predicted["states"] + predicted["activations"] > predicted["states"]
+
+
+def test_losses_agree_within_the_stated_tolerance_and_on_the_same_steps():
+    reference = {1: 5.0, 2: 4.0}
+    assert gpu_check.losses_agree(reference, {1: 5.0 * (1 + 0.9 * gpu_check.LOSS_RTOL), 2: 4.0})
+    assert not gpu_check.losses_agree(reference, {1: 5.0 * (1 + 2 * gpu_check.LOSS_RTOL), 2: 4.0})
+    assert not gpu_check.losses_agree(reference, {1: 5.0})
+
+
+def test_results_are_written_as_json_and_a_markdown_table(tmp_path):
+    predicted = {"states": 1, "activations": 2, "total": 9.87e9}
+    row = {"loop": "plain loop", "compile": True, "tokens_per_second": 123456.7, "mfu": 0.4321,
+           "peak_memory_bytes": 12_340_000_000, "predicted_bytes": predicted}  # fmt: skip
+    results = {"date": "2026-11-25", "device": "NVIDIA H100 80GB HBM3", "gpus": 1, "torch": "2.11.0", "cuda": "13.0",
+               "strategies": {"single": {"ranks": 1, "agree": True, "note": "max rel. diff 0.0e+00"},
+                              "tp": {"ranks": 2, "agree": None, "note": "needs 2 GPUs, this machine has 1"}},
+               "throughput": [row]}  # fmt: skip
+    json_path, md_path = gpu_check.write_results(results, tmp_path)
+    assert json_path == tmp_path / "2026-11-25-nvidia-h100-80gb-hbm3.json"
+    assert json.loads(json_path.read_text()) == results
+    table = md_path.read_text()
+    assert "| single | 1 | yes | max rel. diff 0.0e+00 |" in table
+    assert "| tp | 2 | not run | needs 2 GPUs, this machine has 1 |" in table
+    assert "| plain loop | True | 123,457 | 43.2% | 12.34 | 9.87 |" in table
