@@ -1,6 +1,10 @@
 """NCCL's rules on gloo: the checker fails exchanges that gloo completes but NCCL could not pair, match or progress,
 and passes the patterns NCCL runs (a batch_isend_irecv ring, collectives issued alike everywhere)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -175,3 +179,30 @@ def test_launch_fails_head_to_head_sends_that_gloo_completes(monkeypatch):
 def test_launch_passes_a_batched_ring():
     # Rank r receives r - 1; the ranks' received values add up to 0 + 1 + 2.
     assert launch(batched_ring, 3, check_nccl=True) == [(2.0, 3.0), (0.0, 3.0), (1.0, 3.0)]
+
+
+# --- under torchrun: init_from_env records, destroy_process_group checks ------------------------------------
+
+TORCHRUN_SCRIPT = """
+import torch, torch.distributed as dist
+from scalebook.comm import init_from_env
+init_from_env()
+if dist.get_rank() == 0:
+    works = [dist.isend(torch.zeros(4), dst=1, tag=1), dist.isend(torch.ones(6), dst=1, tag=2)]
+else:
+    works = [dist.irecv(torch.empty(6), src=0, tag=2), dist.irecv(torch.empty(4), src=0, tag=1)]
+for work in works:
+    work.wait()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_torchrun_job_fails_at_destroy_process_group(tmp_path):
+    script = tmp_path / "misordered.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = {**os.environ, ENV_VAR: "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(script)], env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert run.returncode != 0
+    assert "NcclRuleError: message #0 from rank 0 to rank 1: rank 0's call #0 sends 4 float32" in run.stderr
