@@ -1,7 +1,7 @@
 """NCCL's rules, enforced on CPU: record every rank's communication on gloo and fail where NCCL could not pair it.
 
-gloo is forgiving where NCCL is not. gloo pairs a send with the receive of the same tag, runs collectives on
-any thread, and a blocking send of a small message returns before anyone receives it. NCCL ignores tags,
+gloo is forgiving where NCCL is not. gloo pairs a send with the receive of the same tag and lets a rank's
+posted sends and receives progress independently of the order it posted them in. NCCL ignores tags,
 pairs the sends and receives between two ranks in the order they were issued, and runs each rank's calls one
 after another on a CUDA stream, where a send or a collective does not finish before its counterparts are
 running. Code that passes every test on gloo can therefore deadlock, or silently pair the wrong tensors, on
@@ -30,11 +30,12 @@ c. *Progress.* Each rank's calls form one stream, run in issue order. A call fin
    other before receiving, or a ring whose every rank sends before it receives: post both in one
    ``batch_isend_irecv``).
 
-**Limits of the model.** One stream per rank is exact when point-to-point calls share the group's
-communicator (PyTorch does so once the group is initialised eagerly, with ``device_id``); by default
-ProcessGroupNCCL gives every pair of ranks its own communicator and stream, where transfers to different
+**Limits of the model.** One stream per rank is what PyTorch runs in eager-init mode
+(``init_process_group(..., device_id=...)``), where point-to-point calls reuse the group's communicator and
+are serialised with everything else on it (pytorch PR #132900). Lazily initialised, ProcessGroupNCCL gives
+every pair of ranks its own communicator and stream (pytorch issue #129140), where transfers to different
 peers outside a batch may overlap. The model is the stricter of the two: a run it passes cannot deadlock
-under either, but an ``isend``/``irecv`` ring outside a batch fails here even where separate streams might
+under either, but an ``isend``/``irecv`` ring outside a batch fails here even where per-pair streams might
 have let it through. Asynchronous calls count where they were issued (``wait`` is not recorded). Two groups
 over the same ranks count as one. Only calls through the Python functions of ``torch.distributed`` are seen:
 torch's ``DistributedDataParallel`` (C++) and DTensor's functional collectives are not recorded.
@@ -49,7 +50,8 @@ call numbers (counted from 0 in issue order) and what differs. Under ``torchrun`
 Source: NCCL documentation, "Point-to-point communication" and "Group Calls"
 (docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/p2p.html, .../groups.html); PyTorch documentation,
 ``torch.distributed.batch_isend_irecv`` and ``send`` ("tag is not supported with the NCCL backend");
-PyTorch ``ProcessGroupNCCL.cpp`` (a communicator per pair of ranks for point-to-point calls).
+PyTorch ``ProcessGroupNCCL.cpp`` ``pointToPoint`` (a communicator per pair of ranks, or the group's own in
+eager-init mode), pytorch issue #129140 and PR #132900.
 """
 
 from __future__ import annotations
