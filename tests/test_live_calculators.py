@@ -100,6 +100,10 @@ def test_unknown_calculator_is_a_value_error():
         widgets.calculator_html("memroy", {})
 
 
+def test_a_form_without_an_input_names_what_it_lacks():
+    assert "the form has no input named model, gpu, precision" in widgets.calculator_html("memory", {"dp": "2"})
+
+
 @pytest.mark.parametrize("name", widgets.CALCULATORS)
 def test_the_built_form_labels_every_input_and_shows_the_default_result(name):
     form = live_calculators.calculator_form(name)

@@ -30,8 +30,11 @@ import zipfile
 from pathlib import Path
 
 from docutils import nodes
+from sphinx.util import logging
 
 from scalebook import widgets
+
+logger = logging.getLogger(__name__)
 
 VENDOR = Path(__file__).resolve().parent.parent / "_vendor" / "pyodide"
 PACKAGE = Path(widgets.__file__).resolve().parent
@@ -97,7 +100,8 @@ def _replace_widget_outputs(app, doctree: nodes.document, docname: str) -> None:
         if not name:
             continue
         if name not in widgets.CALCULATORS:
-            raise ValueError(f"{docname}: live_calculator {name!r} is not one of {', '.join(widgets.CALCULATORS)}")
+            logger.warning("live_calculator %r is not one of %s", name, ", ".join(widgets.CALCULATORS), location=cell)
+            continue
         for output in [child for child in cell.children if child.get("nb_element") == "cell_code_output"]:
             cell.remove(output)
         cell += nodes.raw("", calculator_form(name), format="html", classes=[MARKER])

@@ -93,9 +93,12 @@ class Calculator:
 
     def html_from_form(self, form: Mapping[str, str]) -> str:
         """:meth:`html` for a web form's text values (every input named, as :meth:`Control.parse` reads it)."""
+        missing = [name for name in self.controls if name not in form]
         try:
+            if missing:
+                raise ValueError(f"the form has no input named {', '.join(missing)}")
             values = {name: control.parse(form[name]) for name, control in self.controls.items()}
-        except (KeyError, ValueError) as error:
+        except ValueError as error:
             return f"<b>{html.escape(self.error_title)}:</b> {html.escape(str(error))}"
         return self.html(**values)
 
