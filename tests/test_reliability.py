@@ -90,6 +90,16 @@ def test_resume_passes_over_a_corrupt_checkpoint_saying_so_and_repeats_the_steps
     assert checkpoint.newest_intact(ckpt) == (4, [])  # and step 4 is written afresh
 
 
+def test_consolidating_a_corrupt_checkpoint_names_the_file(saved, tmp_path, capsys):
+    ckpt = copy_of(saved, tmp_path)
+    flip_4_kib(checkpoint.step_dir(ckpt, 4) / "rank0.pt")
+    with pytest.raises(SystemExit) as exit_info:
+        checkpoint.main([ckpt, str(tmp_path / "model.pt")])
+    assert exit_info.value.code == 2 and not (tmp_path / "model.pt").exists()
+    assert f"{checkpoint.step_dir(ckpt, 4)}/rank0.pt is corrupt" in capsys.readouterr().err
+    assert checkpoint.main([ckpt, str(tmp_path / "model.pt"), "--step", "2"]) == 0
+
+
 def test_no_intact_checkpoint_at_all_is_an_error_not_a_fresh_start(saved, tmp_path):
     ckpt = copy_of(saved, tmp_path)
     for step in (2, 4):

@@ -123,7 +123,9 @@ def read_manifest(root: str | os.PathLike, step: int) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: the save of step {step} did not finish") from None
+        raise CheckpointError(
+            f"{path} is missing: the save of step {step} did not finish (or predates manifests)"
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{path} is unreadable ({error})") from None
 
@@ -204,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="which step (default: the latest complete one)")
     parser.add_argument("--hf", default=None, help="also save a Hugging Face GPT2LMHeadModel to this directory")
     args = parser.parse_args(argv)
-    state, meta = consolidate(args.checkpoint_dir, args.step)
+    try:
+        state, meta = consolidate(args.checkpoint_dir, args.step)
+    except (CheckpointError, FileNotFoundError) as error:
+        parser.error(f"{error}; --step N reads an older checkpoint")
     model = GPT(GPTConfig(**meta["config"]))
     model.load_state_dict(state)  # strict: a missing or misshapen tensor fails here, before anything is written
     atomic_save(state, args.output)
