@@ -19,7 +19,7 @@ import shutil
 import pytest
 import torch
 
-from scalebook.comm import free_port
+from scalebook.comm import free_port, launch
 from scalebook.train import checkpoint, cli
 from scalebook.train.loop import TrainConfig, training_steps
 from scalebook.train.preflight import RESUME_SETTINGS, default_global_batch, preflight
@@ -135,6 +135,25 @@ def test_skip_nonfinite_skips_that_many_steps_then_stops(tmp_path, capsys):
     assert err[1].startswith("step 4: loss nan") and err[1].endswith("(2 of --skip-nonfinite 2)")
     assert err[2].startswith("python -m scalebook.train: step 5: loss nan") and "no checkpoint was saved" in err[2]
     assert len(err) == 3
+
+
+def diverge_on_every_rank(root: str) -> str:
+    """Worker: the diverging run of ZeRO-1 on this rank (its step is a collective); what stopped it."""
+    argv = [*SMALL, "--steps", "6", "--checkpoint-every", "1", "--lr", "1e6", "--skip-nonfinite", "1"]
+    try:
+        cli.run(args_of([*argv, "--strategy", "zero1"], checkpoint_dir=root))
+    except cli.TrainingDiverged as error:
+        return str(error)
+    return "it did not stop"
+
+
+def test_every_rank_skips_and_stops_at_the_same_step_so_none_hangs(tmp_path):
+    # The loss and the gradient norm are all-reduced, so every rank sees the same NaN and makes the same choice;
+    # one rank stepping ZeRO-1's collectives alone would hang the run.
+    messages = launch(diverge_on_every_rank, 2, str(tmp_path), timeout=120)
+    assert messages[0] == messages[1] and messages[0].startswith("step 4: loss nan")
+    assert f"the last good checkpoint is step 3 in {tmp_path}" in messages[0]  # step 3 was skipped, then saved
+    assert checkpoint.latest_step(tmp_path) == 3
 
 
 def test_a_non_finite_step_leaves_weights_and_optimizer_untouched():
