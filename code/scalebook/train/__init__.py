@@ -1,8 +1,9 @@
 """Training: the one loop, its command line and its checkpoints.
 
     loop        :func:`train` on one device, and :func:`training_steps`, the loop every layout runs
-    cli         ``python -m scalebook.train``: arguments, the layout's pre-flight checks, logging, checkpoints
-    checkpoint  atomic per-rank checkpoints, ``latest``, and consolidation into one state dict
+    cli         ``python -m scalebook.train``: arguments, logging, checkpoints, stopping a diverged run
+    preflight   every check before any rank starts work: layout, paths, data, a resume's checkpoint
+    checkpoint  atomic per-rank checkpoints with SHA-256 manifests, ``latest``, and consolidation into one state dict
 
 ``python -m scalebook.train`` runs ``scalebook/train/__main__.py``, which calls ``scalebook.train.cli.main``.
 
