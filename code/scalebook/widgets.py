@@ -411,7 +411,7 @@ CALCULATORS: dict[str, Callable[..., Calculator]] = {
 
 
 def calculator_html(name: str, form: Mapping[str, str]) -> str:
-    """The HTML of calculator ``name`` (a key of :data:`CALCULATORS`) for a web form's text values.
+    """The HTML of calculator ``name`` (a key of ``CALCULATORS``) for a web form's text values.
 
     What the book's live calculators call in the browser; a bad input shows as the error message.
     """
