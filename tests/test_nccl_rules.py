@@ -151,7 +151,8 @@ def sends_before_receives():
 
 
 def batched_ring():
-    """Every rank passes its rank to the next in one batch_isend_irecv, then all agree in an all-reduce."""
+    """Every rank passes its rank to the next in one batch_isend_irecv, then all agree in an all-reduce; ranks 0
+    and 1 add up what they received in a group that rank 2 is not part of but calls too."""
     rank, n = dist.get_rank(), dist.get_world_size()
     into = torch.empty(2)
     ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank)), (rank + 1) % n),
@@ -160,6 +161,8 @@ def batched_ring():
         work.wait()
     total = into.clone()
     dist.all_reduce(total)
+    pair = dist.new_group([0, 1])
+    dist.all_reduce(into, group=pair)  # rank 2 is outside the group: torch returns at once, nothing to record
     return into[0].item(), total[0].item()
 
 
@@ -177,8 +180,8 @@ def test_launch_fails_head_to_head_sends_that_gloo_completes(monkeypatch):
 
 
 def test_launch_passes_a_batched_ring():
-    # Rank r receives r - 1; the ranks' received values add up to 0 + 1 + 2.
-    assert launch(batched_ring, 3, check_nccl=True) == [(2.0, 3.0), (0.0, 3.0), (1.0, 3.0)]
+    # Rank r receives r - 1; the ranks' received values add up to 0 + 1 + 2; ranks 0 and 1 add 2 + 0.
+    assert launch(batched_ring, 3, check_nccl=True) == [(2.0, 3.0), (2.0, 3.0), (1.0, 3.0)]
 
 
 # --- under torchrun: init_from_env records, destroy_process_group checks ------------------------------------

@@ -183,6 +183,9 @@ class Recorder:
         self.calls: list[Call] = []
 
     def __call__(self, op: str, arguments: dict) -> None:
+        group = arguments.get("group")
+        if group is not None and c10d._rank_not_in_group(group):
+            return  # torch.distributed returns at once, with a warning, on a rank outside the group
         self.calls.append(describe_call(op, arguments))
 
 
