@@ -145,8 +145,8 @@ def state_layout(args: argparse.Namespace, dims) -> dict:
     the whole state (rank 0's file is the replicas' file, see ``ParallelModel.checkpoint_rank``), every degree
     and the wrapper where the state is split over the replicas (ZeRO, FSDP2, experts)."""
     if dims.data_parallel in (*SHARDED_GRADIENTS, "zero1") or args.moe_experts:
-        return {"strategy": args.strategy, "ranks": dims.world_size, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp,
-                "cp": dims.cp, "ep": dims.ep}  # fmt: skip
+        return {"strategy": dims.data_parallel or "single", "ranks": dims.world_size, "dp": dims.dp, "tp": dims.tp,
+                "pp": dims.pp, "cp": dims.cp, "ep": dims.ep}  # fmt: skip
     return {"tp": dims.tp, "pp": dims.pp}
 
 
