@@ -67,9 +67,18 @@ def _wrap(op: str, original: Callable) -> Callable:
     return reported
 
 
+def _is_isend(fn) -> bool:
+    """Whether a P2POp's ``op`` is ``isend``: the current one, or one it wraps or was wrapped from."""
+    while fn is not None:
+        if fn is c10d.isend or fn is _originals["isend"]:
+            return True
+        fn = getattr(fn, "__scalebook_original__", None)
+    return False
+
+
 def _batch_isend_irecv(p2p_op_list):
     # batch_isend_irecv tells sends from receives by identity with c10d.isend: keep them consistent.
-    sends = [getattr(p.op, "__scalebook_original__", p.op) is _originals["isend"] for p in p2p_op_list]
+    sends = [_is_isend(p.op) for p in p2p_op_list]
     for p, is_send in zip(p2p_op_list, sends, strict=True):
         p.op = c10d.isend if is_send else c10d.irecv
     if _listeners and not getattr(_inside, "busy", False):
