@@ -4,6 +4,7 @@ of ranks per node (CPUs here, not GPUs), the training arguments and the virtual 
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,30 +19,33 @@ VENV = str(Path(sys.executable).parents[1])
 ARGS = "--steps 4 --micro-batch 1 --global-batch 4 --seq-len 32"
 
 
-def test_cluster_down_stops_every_daemon_it_started_and_removes_its_files(tmp_path):
+def test_cluster_down_stops_every_daemon_it_started_and_removes_its_files(cluster, tmp_path):
     # The issue: `make cluster-down` left the munged that `cluster-up` started running, and its folder behind.
-    # A cluster of its own (own ports, own munged socket), so the module's shared cluster is not touched.
+    # A second cluster (own ports, own munged socket, own /etc/hosts line) beside the module's shared one, which
+    # must keep running when this one goes down.
     workdir = tmp_path / "scalebook-slurm"
-    cluster = LocalCluster(workdir, controller_port=16937, node_port=17121)
+    second = LocalCluster(workdir, controller_port=16937, node_port=17121)
 
     def ours() -> str:  # every process of this cluster names its workdir on its command line
         return subprocess.run(["pgrep", "-a", "-f", str(workdir)], capture_output=True, text=True).stdout
 
     try:
-        cluster.up()
+        second.up()
         started = ours()
         for daemon in ("munged", "slurmctld", "slurmd -N n1", "slurmd -N n2"):
             assert daemon in started
-        assert cluster.munge_socket.exists() and str(workdir) in Path("/etc/hosts").read_text()
+        assert second.munge_socket.exists() and str(workdir) in Path("/etc/hosts").read_text()
         # As `make cluster-down` runs it: only the workdir, the ports come from the files up() wrote.
         down = subprocess.run([sys.executable, "-m", "scalebook.cluster", "down", "--workdir", str(workdir)],
                               capture_output=True, text=True, timeout=60)  # fmt: skip
         assert down.returncode == 0, down.stderr
     finally:
-        cluster.down()  # a no-op when the command above did its job
+        second.down()  # a no-op when the command above did its job
     assert ours() == ""
-    assert not workdir.exists() and not cluster.munge_socket.parent.exists()
+    assert not workdir.exists() and not second.munge_socket.parent.exists()
     assert str(workdir) not in Path("/etc/hosts").read_text()
+    assert f"n1 n2 # scalebook local SLURM cluster {cluster.workdir}\n" in Path("/etc/hosts").read_text()
+    assert cluster.run("sinfo", "-h", "-o", "%t %D").stdout.split() == ["idle", "2"]  # the shared one runs on
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +98,38 @@ def test_two_node_job_rendezvouses_across_both_nodes(cluster, tmp_path):
     assert single == pytest.approx(direct_torchrun(2), rel=1e-6)
 
 
-def test_a_failing_job_reports_a_nonzero_exit_through_sbatch_wait(cluster, tmp_path):
-    code, info, log, _ = submit(cluster, tmp_path, "train_single_node.sbatch", "--global-batch 3")
-    assert code != 0
-    assert field(info, "JobState") == "FAILED"
-    assert "--global-batch (3) must be a multiple of --micro-batch x dp" in log
+def readme_first_sbatch_command() -> list[str]:
+    readme = (ROOT / "slurm" / "README.md").read_text()
+    return shlex.split(next(line for line in readme.splitlines() if line.strip().startswith("sbatch ")))
+
+
+def test_the_readmes_sbatch_command_runs_unchanged_on_a_four_gpu_node(cluster, tmp_path):
+    # The issue: the CLI's fixed --global-batch 8 with --micro-batch 4 fitted at most 2 ranks, so the README's first
+    # command failed on any 4-GPU node. Now nothing is overridden: no NPROC_PER_NODE, no TRAIN_ARGS; only the
+    # virtual environment, as the README's step 1 says.
+    command = readme_first_sbatch_command()
+    assert command == ["sbatch", "slurm/train_single_node.sbatch"]
+    code, job_id = cluster.submit_and_wait(ROOT / command[1], env={"SCALEBOOK_VENV": VENV}, cwd=tmp_path, timeout=120)
+    log = "".join(p.read_text() for p in tmp_path.glob(f"*-{job_id}.out"))
+    assert code == 0, log
+    assert "4 ranks, strategy torch-ddp" in log  # one rank per emulated GPU
+    records = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert [r["step"] for r in records] == list(range(1, 21)) and {r["world_size"] for r in records} == {4}
+
+
+def test_a_failing_job_ends_with_exit_code_2_and_one_message(cluster, tmp_path):
+    # The issue: each of 4 ranks printed the error with the whole usage text (178 lines), and the job ended with 143.
+    for script, dp in (("train_single_node.sbatch", 2), ("train_multi_node.sbatch", 4)):
+        code, info, log, _ = submit(cluster, tmp_path, script, "--global-batch 3")
+        assert code == 2, log
+        assert field(info, "JobState") == "FAILED" and field(info, "ExitCode") == "2:0"
+        # The job's line, then the error once: its heading, what to change, where the usage is; no rank's output.
+        assert log.splitlines()[1:] == [
+            "python -m scalebook.train: error: invalid arguments:",
+            f"  --global-batch (3) must be a multiple of --micro-batch x dp = 4 x {dp} = {4 * dp}; "
+            f"e.g. --global-batch {4 * dp}",
+            "(see python -m scalebook.train --help)",
+        ], log
 
 
 def test_readme_memory_table_matches_accounting():
@@ -113,6 +144,18 @@ def test_readme_memory_table_matches_accounting():
             for stage, dp in ((0, 4), (3, 4), (3, 8))
         ]
         assert f"| {name} | " + " | ".join(cells) + " |" in readme
+
+
+def test_readme_defaults_table_matches_the_command_lines_default_global_batch():
+    from scalebook.train.cli import build_parser
+    from scalebook.train.preflight import default_global_batch
+
+    readme = (ROOT / "slurm" / "README.md").read_text()
+    defaults = build_parser().parse_args([])
+    for gpus in (1, 2, 4, 8):
+        global_batch = default_global_batch(defaults, gpus)
+        per_rank = global_batch // (defaults.micro_batch * gpus)
+        assert f"| {gpus} | {global_batch} | {per_rank} |" in readme
 
 
 def test_a_two_node_3d_job_keeps_tensor_parallelism_inside_a_node(cluster, tmp_path):
