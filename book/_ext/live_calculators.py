@@ -5,15 +5,16 @@ A notebook code cell whose metadata has ``"live_calculator": "<name>"`` (a key o
 printed: the same inputs, labelled, and the result for the default inputs, computed here at build time
 by the same function. The page reads normally with no JavaScript. The first time the reader changes
 an input (or presses the button), _static/live_calculators.js starts Pyodide (CPython compiled to
-WebAssembly, vendored in book/_vendor/pyodide) and calls ``scalebook.widgets.calculator_html`` on every
-change. Only pages with a calculator load that script; Pyodide itself loads on demand.
+WebAssembly, vendored in book/_vendor/pyodide) in a Web Worker, so the page never freezes, and calls
+``scalebook.widgets.calculator_html`` there on every change. Only pages with a calculator load that
+script; Pyodide itself loads on demand.
 
-At the end of an HTML build this extension writes _static/live/: pyodide.js and pyodide.asm.js as
-they are, and the binary files (the WebAssembly module, the standard library, the lock file and a zip
-of scalebook's pure-Python modules, built now from code/scalebook) each as a small JavaScript file that
-assigns their base64 text. Scripts load from file:// where fetch() does not, so the same files serve
-a book opened from disk and one on a web server; the page answers Pyodide's fetch of those URLs from
-them.
+At the end of an HTML build this extension writes _static/live/: each file as a script that assigns
+its text: pyodide.js and pyodide.asm.js as they are, the binary files (the WebAssembly module, the
+standard library, the lock file and a zip of scalebook's pure-Python modules, built now from
+code/scalebook) in base64. Scripts load from file:// where fetch() and workers do not, so the same
+files serve a book opened from disk and one on a web server: the page builds Pyodide's worker from
+their text and answers Pyodide's fetch() of its files from their bytes.
 
 Source: Pyodide documentation, "Using Pyodide" (loadPyodide options indexURL, lockFileContents) and
 "Loading custom Python code" (unpackArchive); Sphinx, "Sphinx core events" (html-page-context).
@@ -41,8 +42,8 @@ PACKAGE = Path(widgets.__file__).resolve().parent
 # What the calculators import: widgets, and through it accounting, configs and planner. Each must import
 # without torch (tests/test_live_calculators.py checks it).
 PURE_MODULES = ("__init__.py", "widgets.py", "configs.py", "planner.py", "accounting/*.py")
-COPIED = ("pyodide.js", "pyodide.asm.js")
-EMBEDDED = ("pyodide.asm.wasm", "python_stdlib.zip", "pyodide-lock.json")
+SCRIPTS = ("pyodide.js", "pyodide.asm.js")  # embedded as text: the worker is built from it
+BINARIES = ("pyodide.asm.wasm", "python_stdlib.zip", "pyodide-lock.json")  # embedded as base64
 MARKER = "live-calculator"
 
 
@@ -114,20 +115,25 @@ def _add_assets(app, pagename, templatename, context, doctree) -> None:
         app.add_css_file("live_calculators.css")
 
 
-def _embedded_js(name: str, data: bytes) -> str:
-    encoded = base64.b64encode(data).decode("ascii")
-    return f"(self.scalebookLiveFiles = self.scalebookLiveFiles || {{}})[{json.dumps(name)}] = {json.dumps(encoded)};\n"
+def _embedded_js(name: str, text: str) -> str:
+    """A script that stores ``text`` as ``self.scalebookLiveFiles[name]`` (what live_calculators.js reads)."""
+    return f"(self.scalebookLiveFiles = self.scalebookLiveFiles || {{}})[{json.dumps(name)}] = {json.dumps(text)};\n"
+
+
+def _base64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
 
 
 def write_runtime(outdir: Path) -> Path:
     """Write _static/live/ (Pyodide and the package's pure-Python zip) into a built site at ``outdir``."""
     live = outdir / "_static" / "live"
     live.mkdir(parents=True, exist_ok=True)
-    for name in (*COPIED, "LICENSE"):
-        shutil.copyfile(VENDOR / name, live / name)
-    for name in EMBEDDED:
-        (live / f"{name}.js").write_text(_embedded_js(name, (VENDOR / name).read_bytes()), encoding="ascii")
-    (live / "scalebook.zip.js").write_text(_embedded_js("scalebook.zip", pure_python_zip()), encoding="ascii")
+    shutil.copyfile(VENDOR / "LICENSE", live / "LICENSE")
+    for name in SCRIPTS:
+        (live / f"{name}.js").write_text(_embedded_js(name, (VENDOR / name).read_text("utf8")), encoding="ascii")
+    for name in BINARIES:
+        (live / f"{name}.js").write_text(_embedded_js(name, _base64((VENDOR / name).read_bytes())), encoding="ascii")
+    (live / "scalebook.zip.js").write_text(_embedded_js("scalebook.zip", _base64(pure_python_zip())), encoding="ascii")
     return live
 
 
