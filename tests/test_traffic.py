@@ -118,7 +118,8 @@ def record_every_kind_of_call():
             dist.recv(_f32(10), src=0)
         f64 = torch.ones(5, dtype=torch.float64)
         # Unbatched, so even ranks send first and odd ranks receive first: NCCL pairs that ring (nccl_rules).
-        works = [dist.isend(f64, dst=right), dist.irecv(f64.clone(), src=left)][:: 1 if rank % 2 == 0 else -1]
+        post = [lambda: dist.isend(f64, dst=right), lambda: dist.irecv(f64.clone(), src=left)]
+        works = [issue() for issue in post[:: 1 if rank % 2 == 0 else -1]]
         for work in works:
             work.wait()
         dist.all_reduce(_f32(1000))
