@@ -199,7 +199,7 @@ def memory_estimate_html(estimate: MemoryEstimate) -> str:
         '<div style="position:relative;display:flex;height:18px;width:100%;background:#eee;margin:6px 0">'
         f"{segments}"
         f'<div style="position:absolute;left:{marker:.2f}%;top:-4px;bottom:-4px;'
-        'border-left:2px dashed black"></div></div>'
+        'border-left:2px dashed currentColor"></div></div>'
     )
     rows = "".join(
         f'<tr><td><span style="color:{_ROW_COLORS[what]}">&#9632;</span> {what}</td>'
