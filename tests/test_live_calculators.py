@@ -376,3 +376,21 @@ def test_first_paint_with_and_without_the_calculator_script(browser, origins):
         f"script, {paints['without']:.0f} ms without"
     )
     assert all(value is not None for value in paints.values())
+
+
+@pytest.mark.browser
+def test_if_pyodide_cannot_load_the_static_values_stay_with_a_note(browser, origins):
+    original = browser._is_local
+    browser._is_local = lambda u: "pyodide.asm.wasm" not in u and original(u)  # as if the file were missing
+    try:
+        browser.open(f"{origins['http']}/{PAGES['memory']}")
+        static = browser.evaluate(f"{form_js('memory')}.querySelector('.live-result').innerHTML")
+        set_inputs(browser, "memory", {"model": "llama-3-70b"})
+        assert browser.wait_for(f"{form_js('memory')}.dataset.state === 'failed'", LOAD_TIMEOUT_S)
+        note = browser.evaluate(f"{form_js('memory')}.querySelector('.live-status').textContent")
+        assert "could not start" in note and "pyodide.asm.wasm.js" in note
+        # The form is back at the inputs that the static values are for.
+        assert browser.evaluate(f"{form_js('memory')}.elements.model.value") == "gpt3-175b"
+        assert browser.evaluate(f"{form_js('memory')}.querySelector('.live-result').innerHTML") == static
+    finally:
+        browser._is_local = original
