@@ -205,8 +205,9 @@ def stop_recording(recorder: Recorder) -> list[Call]:
 
 
 def check(logs: list[list[Call]]) -> list[str]:
-    """The violations of NCCL's rules in the ranks' call lists (``logs[r]`` is rank ``r``'s), worst first;
-    empty when NCCL would pair, match and progress every call. The progress rule is checked only when the
+    """The violations of NCCL's rules in the ranks' call lists (``logs[r]`` is rank ``r``'s): mismatched
+    collectives, then unpaired messages, then a deadlock; empty when NCCL would pair, match and progress
+    every call. The progress rule is checked only when the
     calls pair and match (otherwise which call waits for which is not defined)."""
     problems = _check_collectives(logs) + _check_point_to_point(logs)
     return (problems or _check_progress(logs))[:MAX_REPORTED]
