@@ -297,18 +297,16 @@ def _check_point_to_point(logs: list[list[Call]]) -> list[str]:
     return problems
 
 
-def _links(logs: list[list[Call]]) -> tuple[list[list[list]], dict]:
-    """Each call's links (what must run at once for it to finish) and each link's members (rank, call)."""
-    members: dict[tuple, list[tuple[int, int]]] = {}
+def _links(logs: list[list[Call]]) -> tuple[list[list[list[int]]], list[list[tuple[int, int]]]]:
+    """Each call's links (numbered: what must run at once for it to finish) and each link's (rank, call)s."""
+    members: list[list[tuple[int, int]]] = []
     for group, per_rank in _collectives_by_group(logs).items():
-        for k in range(len(per_rank[group[0]])):
-            members["collective", group, k] = [(r, per_rank[r][k]) for r in group]
+        members += ([(r, per_rank[r][k]) for r in group] for k in range(len(per_rank[group[0]])))
     sends, recvs = _transfers(logs)
     for (a, b), out in sends.items():
-        for k, ((i, _), (j, _)) in enumerate(zip(out, recvs[a, b], strict=True)):
-            members["p2p", a, b, k] = [(a, i), (b, j)]
-    links: list[list[list]] = [[[] for _ in calls] for calls in logs]
-    for link, ends in members.items():
+        members += ([(a, i), (b, j)] for (i, _), (j, _) in zip(out, recvs[a, b], strict=True))
+    links: list[list[list[int]]] = [[[] for _ in calls] for calls in logs]
+    for link, ends in enumerate(members):
         for r, i in ends:
             links[r][i].append(link)
     return links, members
@@ -316,16 +314,18 @@ def _links(logs: list[list[Call]]) -> tuple[list[list[list]], dict]:
 
 def _check_progress(logs: list[list[Call]]) -> list[str]:
     links, members = _links(logs)
-    heads, done = [0] * len(logs), set()
+    heads, done = [0] * len(logs), [False] * len(members)
     moved = True
     while moved:
         moved = False
         for r, calls in enumerate(logs):
             while heads[r] < len(calls):
+                waiting = False
                 for link in links[r][heads[r]]:
-                    if link not in done and all(heads[m] == i for m, i in members[link]):
-                        done.add(link)
-                if not all(link in done for link in links[r][heads[r]]):
+                    if not done[link]:
+                        done[link] = all(heads[m] == i for m, i in members[link])
+                        waiting = waiting or not done[link]
+                if waiting:
                     break
                 heads[r] += 1
                 moved = True
