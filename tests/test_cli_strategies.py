@@ -148,8 +148,10 @@ def test_parallel_dimension_on_two_ranks_is_one_process(layout, dimensions, sing
 
 
 def test_a_data_parallel_wrapper_on_one_process_is_one_process(single, monkeypatch):
-    # The wrapper runs on a process group of one rank, which the CLI starts (at a free port) and ends itself.
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    # The wrapper runs on a process group of one rank, which the CLI starts (at a free port: a launcher's variables,
+    # as torchrun would set them) and ends itself.
+    for name, value in {"RANK": 0, "WORLD_SIZE": 1, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}.items():
+        monkeypatch.setenv(name, str(value))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -277,7 +277,9 @@ def test_every_resume_setting_that_differs_is_named_with_both_values(saved, tmp_
 
 def test_a_layout_change_works_where_the_state_is_replicated_and_is_refused_where_it_is_not(saved, tmp_path,
                                                                                            monkeypatch):  # fmt: skip
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    # The book's DDP and ZeRO-3 on a process group of one rank, at a free port (a launcher's variables).
+    for name, value in {"RANK": 0, "WORLD_SIZE": 1, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}.items():
+        monkeypatch.setenv(name, str(value))
     # One process -> the book's DDP (on a group of one rank): the same files, the same steps 3 and 4.
     ckpt = copy_of(saved, tmp_path)
     checkpoint.mark_complete(ckpt, 2)
