@@ -188,7 +188,8 @@ class ParallelModel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process GPT's state dict (every name, the tied head included), gathered from the
-        shards, stages and experts on every rank: a collective."""
+        shards, stages and experts on every rank (a collective), in CPU memory: the whole model need not fit
+        on a GPU beside the training state, and a checkpoint writes it from there."""
         return _gather_full_state(self)
 
     def held_bytes(self) -> int:
@@ -271,7 +272,7 @@ def _gather_full_state(model: ParallelModel) -> dict[str, torch.Tensor]:
         state = tensor.full_state_dict(inner, model.group("tp"))
     else:
         state = {name: t.full_tensor() if hasattr(t, "full_tensor") else t for name, t in inner.state_dict().items()}
-    state = {name: t.detach().cpu() for name, t in state.items()}
+    state = {name: t.detach().cpu() for name, t in state.items()}  # the documented host copy (full_state_dict)
     if dims.pp > 1:
         parts = [None] * dims.pp
         dist.all_gather_object(parts, state, group=model.group("pp"))
