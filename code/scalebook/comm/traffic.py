@@ -169,5 +169,10 @@ def _call(op: str, a: dict) -> list[CommCall]:
 def count_traffic() -> Iterator[Traffic]:
     """Record this rank's communication calls while the block runs; yields the :class:`Traffic`."""
     traffic = Traffic()
-    with listening(lambda op, arguments: traffic.calls.extend(_call(op, arguments))):
+
+    def record(op: str, arguments: dict) -> None:
+        for call in _call(op, arguments):
+            traffic.calls.append(call)  # one append per call: a caller may replace ``calls`` with a list that logs
+
+    with listening(record):
         yield traffic
