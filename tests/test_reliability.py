@@ -15,6 +15,7 @@ import argparse
 import math
 import re
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -236,7 +237,23 @@ def test_an_unwritable_path_fails_before_step_1(flag, tmp_path, capsys):
         cli.main([*SMALL, flag, str(path)])
     out, err = capsys.readouterr()
     assert exit_info.value.code == 2 and out == ""  # no step ran
-    assert f"{flag} {path} " in err and "(Not a directory: " in err and f"choose another {flag}" in err
+    assert f"{flag} {path} " in err and f"({tmp_path / 'file'} is a file, not a folder); choose another {flag}" in err
+
+
+def test_a_read_only_checkpoint_dir_fails_before_step_1(tmp_path, capsys):
+    # An immutable folder (chattr +i) refuses new files even to root, as a read-only mount does.
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here (needs root and a filesystem with inode flags)")
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([*SMALL, "--checkpoint-dir", str(folder)])
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == ""
+    assert f"--checkpoint-dir {folder} is not a writable folder (Operation not permitted)" in err
 
 
 def test_missing_or_too_little_data_fails_before_step_1(tmp_path, capsys):

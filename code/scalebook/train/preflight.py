@@ -120,6 +120,12 @@ def _writable(folder: Path) -> None:
         pass
 
 
+def _why(error: OSError, path: Path) -> str:
+    """Why ``path`` cannot be written: a file where a folder must be, or the system's reason."""
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    return f"{blocker} is a file, not a folder" if blocker else error.strerror
+
+
 def path_problems(args: argparse.Namespace) -> list[str]:
     """``--checkpoint-dir`` and ``--metrics``: each one's problem, if it cannot be written."""
     problems = []
@@ -127,16 +133,16 @@ def path_problems(args: argparse.Namespace) -> list[str]:
         try:
             _writable(Path(args.checkpoint_dir))
         except OSError as error:
-            problems.append(f"--checkpoint-dir {args.checkpoint_dir} is not a writable folder ({error.strerror}: "
-                            f"{error.filename}); choose another --checkpoint-dir")  # fmt: skip
+            problems.append(f"--checkpoint-dir {args.checkpoint_dir} is not a writable folder "
+                            f"({_why(error, Path(args.checkpoint_dir))}); choose another --checkpoint-dir")  # fmt: skip
     if args.metrics:
         try:
             _writable(Path(args.metrics).parent)
             with open(args.metrics, "a"):
                 pass
         except OSError as error:
-            problems.append(f"--metrics {args.metrics} cannot be appended to ({error.strerror}: {error.filename}); "
-                            "choose another --metrics")  # fmt: skip
+            why = _why(error, Path(args.metrics).parent)
+            problems.append(f"--metrics {args.metrics} cannot be appended to ({why}); choose another --metrics")
     return problems
 
 
