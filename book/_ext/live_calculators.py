@@ -92,14 +92,34 @@ def calculator_form(name: str) -> str:
     )
 
 
+def _calculator_cells(doctree: nodes.document):
+    """(cell, calculator name) for every notebook code cell whose metadata has ``live_calculator``."""
+    for cell in doctree.findall(nodes.container):
+        if cell.get("nb_element") == "cell_code" and cell.get("cell_metadata", {}).get("live_calculator"):
+            yield cell, cell["cell_metadata"]["live_calculator"]
+
+
+def _record_calculator_pages(app, doctree: nodes.document) -> None:
+    """Remember which documents have a calculator: only then does the site need _static/live/."""
+    pages = app.env.__dict__.setdefault("live_calculator_docs", set())
+    pages.discard(app.env.docname)
+    if any(True for _ in _calculator_cells(doctree)):
+        pages.add(app.env.docname)
+
+
+def _forget_page(app, env, docname: str) -> None:
+    env.__dict__.setdefault("live_calculator_docs", set()).discard(docname)
+
+
+def _merge_pages(app, env, docnames, other) -> None:  # from parallel readers
+    env.__dict__.setdefault("live_calculator_docs", set()).update(getattr(other, "live_calculator_docs", ()))
+
+
 def _replace_widget_outputs(app, doctree: nodes.document, docname: str) -> None:
     """Put the live calculator in place of the outputs of every cell marked with ``live_calculator``."""
     if app.builder.format != "html":
         return
-    for cell in list(doctree.findall(nodes.container)):
-        name = cell.get("nb_element") == "cell_code" and cell.get("cell_metadata", {}).get("live_calculator")
-        if not name:
-            continue
+    for cell, name in list(_calculator_cells(doctree)):
         if name not in widgets.CALCULATORS:
             logger.warning("live_calculator %r is not one of %s", name, ", ".join(widgets.CALCULATORS), location=cell)
             continue
@@ -138,11 +158,14 @@ def write_runtime(outdir: Path) -> Path:
 
 
 def _write_runtime(app, exception) -> None:
-    if exception is None and app.builder.format == "html":
+    if exception is None and app.builder.format == "html" and getattr(app.env, "live_calculator_docs", None):
         write_runtime(Path(app.outdir))
 
 
 def setup(app):
+    app.connect("doctree-read", _record_calculator_pages)
+    app.connect("env-purge-doc", _forget_page)
+    app.connect("env-merge-info", _merge_pages)
     app.connect("doctree-resolved", _replace_widget_outputs)
     app.connect("html-page-context", _add_assets)
     app.connect("build-finished", _write_runtime)
