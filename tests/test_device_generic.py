@@ -27,6 +27,7 @@ device.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -156,3 +157,19 @@ def test_audit_catches_a_planted_allocation(monkeypatch):
     exec(compile(planted, module.__file__, "exec"), namespace)  # compiled as if written in parallelize.py
     monkeypatch.setattr(module.ParallelModel, "_mean_over_replicas", namespace["_mean_over_replicas"])
     assert audit_step("single") == ["parallel/parallelize.py:2 zeros without device="]
+
+
+def test_an_older_torch_gets_the_collectives_new_names():
+    """The GPU machines run torch 2.11, which lacks 2.13's ``all_gather_single`` and ``reduce_scatter_single``:
+    importing the package's ZeRO (through ``parallel.dims``) gives them their older names' functions."""
+    older_torch = (
+        "import torch.distributed as dist\n"
+        "from torch.distributed import distributed_c10d as c10d\n"
+        "del dist.all_gather_single, dist.reduce_scatter_single, c10d.all_gather_single, c10d.reduce_scatter_single\n"
+        "import scalebook.parallel.zero\n"
+        "for module in (dist, c10d):\n"
+        "    assert module.all_gather_single is module.all_gather_into_tensor\n"
+        "    assert module.reduce_scatter_single is module.reduce_scatter_tensor\n"
+    )
+    done = subprocess.run([sys.executable, "-c", older_torch], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr

@@ -31,7 +31,6 @@ from scalebook.comm import count_traffic
 from scalebook.measure import StateBytes
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel import zero
-from scalebook.parallel.dims import all_gather_single
 from scalebook.parity import max_relative_difference
 
 STAGES = (0, 1, 2, 3)
@@ -155,7 +154,7 @@ def full_gradients(model: nn.Module, method: str, shapes: dict[str, torch.Size],
 
 def _all_gather(shard: torch.Tensor) -> torch.Tensor:
     out = shard.new_empty(dist.get_world_size() * shard.shape[0], *shard.shape[1:])
-    all_gather_single(out, shard.contiguous())
+    dist.all_gather_single(out, shard.contiguous())
     return out
 
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from itertools import product
 from types import SimpleNamespace
 
-import torch
 import torch.distributed as dist
 
 DIMS = ("pp", "dp", "cp", "tp")  # outermost to innermost
@@ -289,17 +288,11 @@ def tied_embedding_group(mesh: DeviceMesh):
     return mine
 
 
-# ----- the collectives of the process groups, under their names in every supported PyTorch -------------------
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single / reduce_scatter_single
 # and deprecated the old names with a warning; older releases (2.11 on the lent GPU machines) have only the old
-# ones. Looked up at each call, so that wrappers of the torch.distributed functions (count_traffic) see them.
-
-
-def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
-    """Every rank's equal-sized ``input`` into ``output``, end to end in rank order."""
-    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, input, group=group)
-
-
-def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
-    """This rank's slice of the ``op``-reduction of every rank's ``input`` (rank r: slice r) into ``output``."""
-    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(output, input, op=op, group=group)
+# ones. The package calls the new names (zero, sequence import this module first): give them to an older torch,
+# in torch.distributed and in distributed_c10d, where wrappers of the calls (scalebook.comm.intercept) read them.
+for _new, _old in (("all_gather_single", "all_gather_into_tensor"), ("reduce_scatter_single", "reduce_scatter_tensor")):
+    for _module in (dist, dist.distributed_c10d):
+        if not hasattr(_module, _new):
+            setattr(_module, _new, getattr(_module, _old))

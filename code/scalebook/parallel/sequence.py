@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from scalebook.parallel.dims import all_gather_single, reduce_scatter_single
+from scalebook.parallel import dims  # noqa: F401  (torch < 2.13: the collectives' new names)
 
 __all__ = [
     "SequenceShardedEmbedding",
@@ -62,7 +62,7 @@ def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     tp = dist.get_world_size(group)
     local = x.transpose(0, SEQUENCE_DIM).contiguous()  # sequence first: each rank's chunk is one block
     gathered = local.new_empty((tp * local.shape[0], *local.shape[1:]))
-    all_gather_single(gathered, local, group=group)
+    dist.all_gather_single(gathered, local, group=group)
     return gathered.transpose(0, SEQUENCE_DIM)
 
 
@@ -73,7 +73,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     if full.shape[0] % tp:
         raise ValueError(f"sequence length {full.shape[0]} is not divisible by the tensor-parallel size {tp}")
     chunk = full.new_empty((full.shape[0] // tp, *full.shape[1:]))
-    reduce_scatter_single(chunk, full, op=dist.ReduceOp.SUM, group=group)
+    dist.reduce_scatter_single(chunk, full, op=dist.ReduceOp.SUM, group=group)
     return chunk.transpose(0, SEQUENCE_DIM)
 
 

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from scalebook.measure import StateBytes  # bytes by kind; in mixed precision the fp32 shards are the master copy
-from scalebook.parallel.dims import all_gather_single, reduce_scatter_single
+from scalebook.parallel import dims  # noqa: F401  (torch < 2.13: the collectives' new names)
 
 QUANT_BLOCK = 256  # values sharing one int8 scale in the quantized all-gather
 
@@ -123,14 +123,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             inner.update(_hyperparameters(group))
             if self.reduce_scatter_gradients:  # the mean over the ranks of this rank's slice only
                 flat.shard.grad = torch.empty_like(flat.shard)
-                reduce_scatter_single(flat.shard.grad, flat.flat_gradient(), group=self.process_group)
+                dist.reduce_scatter_single(flat.shard.grad, flat.flat_gradient(), group=self.process_group)
                 flat.shard.grad.div_(self.world_size)
             elif any(p.grad is not None for p in flat.params):
                 flat.shard.grad = flat.flat_gradient()[flat.owned]
         self.optim.step()
         for _, flat in self._pairs():
             flat.shard.grad = None
-            all_gather_single(flat.flat, flat.shard.detach(), group=self.process_group)
+            dist.all_gather_single(flat.flat, flat.shard.detach(), group=self.process_group)
         return loss
 
     def _partition(self) -> dict:
@@ -239,7 +239,7 @@ class _Unit:
             if p.grad is not None:
                 send[:, offset : offset + size] = _pad_rows(p.grad, n * k).reshape(n, size)
         out = send.new_empty(sum(sizes))
-        reduce_scatter_single(out, send.view(-1), group=group)
+        dist.reduce_scatter_single(out, send.view(-1), group=group)
         out = out.div_(n).to(self.shard_dtype)
         return [out[o : o + m].view(k, *p.shape[1:]) for (p, k), o, m in zip(layout, _offsets(sizes), sizes,
                                                                              strict=True)]  # fmt: skip
@@ -331,7 +331,7 @@ class _ShardedModule:
 
 def _all_gather(shard: torch.Tensor, group) -> torch.Tensor:
     """Every rank's ``shard``, one row per rank in rank order: (N, numel)."""
-    all_gather_single(out := shard.new_empty(dist.get_world_size(group) * shard.numel()), shard, group=group)
+    dist.all_gather_single(out := shard.new_empty(dist.get_world_size(group) * shard.numel()), shard, group=group)
     return out.view(dist.get_world_size(group), -1)
 
 
