@@ -164,51 +164,60 @@ def check_strategies(gpus: int) -> dict[str, dict]:
     return rows
 
 
-def _gpt2(compile_model: bool):
+def _gpt2(compile_model: bool, size: str, device: str):
     import torch
 
     from scalebook.model import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig.named("gpt2", attn_impl="sdpa")).cuda()
+    model = GPT(GPTConfig.named(size, attn_impl="sdpa")).to(device)
     return model, (torch.compile(model) if compile_model else model)
 
 
-def package_loop(micro_batch: int, seq_len: int, steps: int, compile_model: bool) -> float:
-    """Tokens/s of the package's own loop (:func:`scalebook.train.loop.train`), first half of the steps
-    left out (allocation, compilation)."""
+def _synchronize(device: str) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def package_loop(micro_batch: int, seq_len: int, steps: int, compile_model: bool, *, size: str = "gpt2",
+                 device: str = "cuda") -> float:  # fmt: skip
+    """Tokens/s of the package's own loop (:func:`scalebook.train.loop.train`), the first half of the steps
+    left out (allocation, compilation). ``size`` and ``device`` let the tests run it small on the CPU."""
     import torch
 
     from scalebook.train.loop import TrainConfig, train
 
-    _, model = _gpt2(compile_model)
-    tokens = torch.randint(0, 50257, (1_000_000,))
+    raw, model = _gpt2(compile_model, size, device)
+    tokens = torch.randint(0, raw.config.vocab_size, (1_000_000,))
     cfg = TrainConfig(steps=steps, batch_size=micro_batch, seq_len=seq_len, precision="bf16", progress=False,
                       warmup_steps=1)  # fmt: skip
     times = train(model, tokens, cfg).step_times[steps // 2 :]
     return micro_batch * seq_len * len(times) / sum(times)
 
 
-def plain_loop(micro_batch: int, seq_len: int, steps: int, compile_model: bool) -> float:
+def plain_loop(micro_batch: int, seq_len: int, steps: int, compile_model: bool, *, size: str = "gpt2",
+               device: str = "cuda") -> float:  # fmt: skip
     """Tokens/s of a plain PyTorch loop of the same model and settings, as nanoGPT writes it."""
     import torch
 
     from scalebook.train.loop import weight_decay_groups
 
-    raw, model = _gpt2(compile_model)
+    raw, model = _gpt2(compile_model, size, device)
     optimizer = torch.optim.AdamW(weight_decay_groups(raw, 0.1), lr=3e-4, betas=(0.9, 0.95), fused=True)
-    x = torch.randint(0, 50257, (micro_batch, seq_len), device="cuda")
+    x = torch.randint(0, raw.config.vocab_size, (micro_batch, seq_len), device=device)
     for step in range(steps):
         if step == steps // 2:  # the second half is timed
-            torch.cuda.synchronize()
+            _synchronize(device)
             start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             _, loss = model(x, x.roll(-1, dims=1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
+    _synchronize(device)
     return micro_batch * seq_len * (steps - steps // 2) / (time.perf_counter() - start)
 
 

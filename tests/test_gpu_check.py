@@ -81,3 +81,9 @@ def test_results_are_written_as_json_and_a_markdown_table(tmp_path):
     assert "| single | 1 | yes | max rel. diff 0.0e+00 |" in table
     assert "| tp | 2 | not run | needs 2 GPUs, this machine has 1 |" in table
     assert "| plain loop | True | 123,457 | 43.2% | 12.34 | 9.87 |" in table
+
+
+@pytest.mark.parametrize("loop", ["package_loop", "plain_loop"])
+def test_the_throughput_loops_run_a_small_gpt_on_the_cpu(loop):
+    """The two loops timed on a GPU run here too, on the book's tiny GPT and 4 steps: a positive tokens/s."""
+    assert getattr(gpu_check, loop)(2, 32, 4, False, size="tiny", device="cpu") > 0
