@@ -197,6 +197,7 @@ def start_recording() -> Recorder:
 
 
 def stop_recording(recorder: Recorder) -> list[Call]:
+    """Stop ``recorder``; return the calls it kept."""
     remove_listener(recorder)
     return recorder.calls
 
