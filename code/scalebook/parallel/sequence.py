@@ -42,8 +42,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from scalebook.parallel import dims  # noqa: F401  (torch < 2.13: the collectives' new names)
-
 __all__ = [
     "SequenceShardedEmbedding",
     "all_reduce_sequence_parallel_grads",
