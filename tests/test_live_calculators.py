@@ -98,6 +98,19 @@ def test_bad_form_text_shows_which_input_to_change(name, field, text, message):
     assert html.escape(message) in widgets.calculator_html(name, form)
 
 
+def test_the_training_time_panel_recomputes_when_a_control_changes():
+    pytest.importorskip("ipywidgets")
+    grid, result = widgets.training_time_calculator().children
+    controls = {control.description: control for control in grid.children}
+    controls["GPUs"].value = 2048
+    values = widgets.training_time_inputs().defaults | {"gpus": 2048}
+    assert result.value == widgets.training_time_html(**values)
+    days = accounting.training_days(configs.get_model("gpt3-175b"), 300e9, 2048, 312e12, 0.4, seq_len=2048)
+    assert f"{days:,.1f} days" in result.value
+    controls["MFU (%)"].value = 120.0  # the panel shows the error, it does not raise
+    assert "Cannot estimate:" in result.value and "mfu is a fraction of peak, at most 1" in result.value
+
+
 def test_unknown_calculator_is_a_value_error():
     with pytest.raises(ValueError, match="unknown calculator 'memroy'"):
         widgets.calculator_html("memroy", {})

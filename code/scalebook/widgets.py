@@ -89,7 +89,7 @@ class Calculator:
         try:
             return self.render(**values)
         except ValueError as error:
-            return f"<b>{html.escape(self.error_title)}:</b> {html.escape(str(error))}"
+            return self._error_html(error)
 
     def html_from_form(self, form: Mapping[str, str]) -> str:
         """:meth:`html` for a web form's text values (every input named, as :meth:`Control.parse` reads it)."""
@@ -99,8 +99,11 @@ class Calculator:
                 raise ValueError(f"the form has no input named {', '.join(missing)}")
             values = {name: control.parse(form[name]) for name, control in self.controls.items()}
         except ValueError as error:
-            return f"<b>{html.escape(self.error_title)}:</b> {html.escape(str(error))}"
+            return self._error_html(error)
         return self.html(**values)
+
+    def _error_html(self, error: ValueError) -> str:
+        return f"<b>{html.escape(self.error_title)}:</b> {html.escape(str(error))}"
 
     def panel(self, columns: int = 3):
         """The ipywidgets panel: a grid of the controls over the result, recomputed on every change."""
