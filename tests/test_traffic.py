@@ -228,3 +228,14 @@ def test_the_last_block_to_end_restores_the_torch_distributed_functions():
     with count_traffic(), count_traffic():
         assert dist.all_reduce is not original and dist.batch_isend_irecv.__module__ == "scalebook.comm.intercept"
     assert dist.all_reduce is original
+
+
+def test_the_wrappers_install_on_a_torch_without_the_2_13_names(monkeypatch):
+    # torch 2.11 (seen on GPU machines) has no all_gather_single / reduce_scatter_single: nothing to wrap there.
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        monkeypatch.delattr(dist, name)
+        monkeypatch.delattr(dist.distributed_c10d, name)
+    original = dist.all_reduce
+    with count_traffic():
+        assert dist.all_reduce is not original and not hasattr(dist, "all_gather_single")
+    assert dist.all_reduce is original

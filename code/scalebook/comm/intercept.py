@@ -98,6 +98,8 @@ def _call_quietly(original, *args, **kwargs):
 
 def _install() -> None:
     for op in WRAPPED:
+        if not hasattr(c10d, op):
+            continue  # all_gather_single and reduce_scatter_single are new in torch 2.13
         _originals[op] = getattr(c10d, op)
         wrapped = _wrap(op, _originals[op])
         setattr(c10d, op, wrapped)
