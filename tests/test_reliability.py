@@ -259,6 +259,20 @@ def test_an_error_under_torchrun_is_printed_once_by_rank_0_and_every_rank_exits_
     assert run.stderr.count("exitcode  : 2") >= 1 and "exitcode  : 1" not in run.stderr  # torchrun's summary
 
 
+def test_check_only_runs_the_pre_flight_for_a_world_size_and_trains_nothing(tmp_path, capsys):
+    # The sbatch scripts call it once before torchrun, so that a bad argument ends the job with exit code 2.
+    ckpt = tmp_path / "ckpt"
+    good = [*SMALL, "--check-only", "4", "--strategy", "torch-ddp", "--global-batch", "8"]  # 4 replicas x 2 rows
+    assert cli.main([*good, "--checkpoint-dir", str(ckpt)]) == 0
+    assert capsys.readouterr().out == "" and not list(ckpt.glob("step_*"))  # no step ran, nothing saved
+    with pytest.raises(SystemExit) as exit_info:  # 4 replicas x micro-batch 4 do not divide a global batch of 8
+        cli.main([*good, "--micro-batch", "4"])
+    assert exit_info.value.code == 2 and "--global-batch (8) must be a multiple of" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*SMALL, "--check-only", "0"])
+    assert exit_info.value.code == 2 and "--check-only takes the number of ranks" in capsys.readouterr().err
+
+
 # ----- 5. bad paths and data, before step 1 ------------------------------------------------------------------
 
 

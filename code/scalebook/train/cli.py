@@ -181,6 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--peak-flops", type=float, default=None, help="per-device peak FLOP/s, to report MFU")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument(
+        "--check-only",
+        type=int,
+        default=None,
+        metavar="WORLD_SIZE",
+        help="run the pre-flight checks for WORLD_SIZE ranks (arguments, layout, paths, data, a --resume's "
+        "checkpoint), then exit: 0 if the run would start, 2 with the message if not (the sbatch scripts "
+        "call it once before starting any rank)",
+    )
+    g.add_argument(
         "--simulate-failure-at",
         type=int,
         default=None,
@@ -445,10 +454,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     env = detect_env()
+    if args.check_only is not None and args.check_only < 1:
+        parser.error(f"--check-only takes the number of ranks to check for, at least 1 (got {args.check_only})")
     try:
-        plan = preflight(args, env.world_size)
+        plan = preflight(args, env.world_size if args.check_only is None else args.check_only)
     except ValueError as error:
         parser.error(str(error))
+    if args.check_only is not None:
+        return 0
     try:
         run(args, plan)
     except TrainingDiverged as error:
