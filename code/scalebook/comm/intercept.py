@@ -42,8 +42,11 @@ _originals: dict[str, Callable] = {}
 _inside = threading.local()  # set while a reported call runs: what it calls itself is not reported again
 
 
-def global_peer(group, rank: int | None, group_rank: int | None) -> int | None:
-    """The global rank a call names, by ``dst``/``src`` (already global) or ``group_dst``/``group_src``."""
+def named_rank(arguments: dict, key: str, default_group_rank: int | None = None) -> int | None:
+    """The global rank a call's arguments name by ``key`` (``"dst"``/``"src"``, already global) or by
+    ``group_<key>`` (a rank of its ``group``); ``default_group_rank`` of the group when they name none."""
+    group, rank = arguments.get("group"), arguments.get(key)
+    group_rank = arguments.get("group_" + key, default_group_rank if rank is None else None)
     if rank is not None or group_rank is None or group is None:
         return rank if rank is not None else group_rank
     return dist.get_global_rank(group, group_rank)

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from scalebook.comm.intercept import add_listener, global_peer, remove_listener
+from scalebook.comm.intercept import add_listener, named_rank, remove_listener
 
 ENV_VAR = "SCALEBOOK_CHECK_NCCL"
 ANY_SOURCE = -1  # the peer of a receive from whoever sends first, which NCCL cannot do
@@ -158,8 +158,7 @@ def _collective(op: str, a: dict) -> Call:
     tensor = a[_SIZE_ARG[op]]
     root = None
     if op in _ROOT_ARG:
-        root = global_peer(group, a.get(_ROOT_ARG[op]), a.get("group_" + _ROOT_ARG[op]))
-        root = ranks[0] if root is None else root
+        root = named_rank(a, _ROOT_ARG[op], default_group_rank=0)
     return Call(op, ranks, tensor.numel(), _dtype(tensor), root)
 
 
@@ -169,8 +168,7 @@ def describe_call(op: str, a: dict) -> Call:
         ops = zip(a["p2p_op_list"], a["sends"], strict=True)
         return Call(op, transfers=tuple(Transfer(s, p.peer, p.tensor.numel(), _dtype(p.tensor)) for p, s in ops))
     if op in ("send", "isend", "recv", "irecv"):
-        group = a.get("group")
-        peer = global_peer(group, a.get("dst", a.get("src")), a.get("group_dst", a.get("group_src")))
+        peer = named_rank(a, "dst" if op.endswith("send") else "src")
         peer = ANY_SOURCE if peer is None else peer
         return Call(op, transfers=(Transfer(op.endswith("send"), peer, a["tensor"].numel(), _dtype(a["tensor"])),))
     return _collective(op, a)

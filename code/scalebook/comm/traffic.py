@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from scalebook.accounting.comm import bytes_sent_per_rank
-from scalebook.comm.intercept import global_peer, listening
+from scalebook.comm.intercept import listening, named_rank
 
 
 @dataclass(frozen=True)
@@ -95,17 +95,11 @@ def _size(group) -> int:
 _P2P = {"send": True, "isend": True, "recv": False, "irecv": False}  # op -> does this rank send?
 
 
-def _root(group, rank: int | None, group_rank: int | None) -> int:
-    """The global rank of a gather's or scatter's root; group rank 0 when the call names none."""
-    root = global_peer(group, rank, group_rank)
-    return root if root is not None else global_peer(group, None, 0)
-
-
 def _describe(op: str, a: dict) -> tuple[int, object, int | None, float | None]:
     """(message bytes, group, peer, exact bytes sent or None for "count it as the ring would")."""
     group = a.get("group")
     if op in _P2P:
-        peer = global_peer(group, a.get("dst", a.get("src")), a.get("group_dst", a.get("group_src")))
+        peer = named_rank(a, "dst" if _P2P[op] else "src")
         sent = float(_nbytes(a["tensor"])) if _P2P[op] else 0.0
         return _nbytes(a["tensor"]), group, peer, sent
     if op in ("all_reduce", "broadcast", "reduce"):
@@ -127,11 +121,11 @@ def _describe(op: str, a: dict) -> tuple[int, object, int | None, float | None]:
         kept = splits[me] * (_nbytes(inp) // inp.shape[0]) if splits else _nbytes(inp) // _size(group)
         return _nbytes(inp), group, None, float(_nbytes(inp) - kept)
     if op == "gather":  # every rank but the destination sends its tensor
-        root = _root(group, a.get("dst"), a.get("group_dst"))
+        root = named_rank(a, "dst", default_group_rank=0)
         is_root = dist.get_rank() == root
         return _nbytes(a["tensor"]) * _size(group), group, root, 0.0 if is_root else float(_nbytes(a["tensor"]))
     if op == "scatter":  # the source sends every other rank its piece
-        root = _root(group, a.get("src"), a.get("group_src"))
+        root = named_rank(a, "src", default_group_rank=0)
         pieces = a.get("scatter_list") or []
         sent = sum(_nbytes(t) for i, t in enumerate(pieces) if i != me) if dist.get_rank() == root else 0
         return _nbytes(a["tensor"]) * _size(group), group, root, float(sent)
