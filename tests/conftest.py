@@ -128,6 +128,7 @@ SLOW = {
     "test_collectives.py": {"reports"},
     "test_context_parallel.py": {"launched[4]"},
     "test_ddp.py": {"ranks[4]"},
+    "test_device_generic.py": {"four_ranks"},
     "test_expert_parallel.py": {"launched[4]"},
     "test_labs.py": {
         "test_mismatched_collectives_surface_within_the_timeout_and_leave_no_process",
