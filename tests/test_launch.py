@@ -1,6 +1,8 @@
 """Launching ranks: results come back by rank, failures and hangs become clear errors."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -99,3 +101,26 @@ def test_no_launcher_means_a_single_process():
 @pytest.mark.parametrize("nodelist, first", [("n1", "n1"), ("n[1-2]", "n1"), ("a[3,5-6],b1", "a3"), ("x1,y2", "x1")])
 def test_first_host_of_a_slurm_nodelist(nodelist, first):
     assert _first_host(nodelist) == first
+
+
+def test_one_process_without_a_launcher_gets_a_group_even_when_port_29500_is_taken():
+    # Before: a process with no launcher variables (FSDP2 on one rank) always used tcp://127.0.0.1:29500 and
+    # failed whenever another job held that port. Now it takes MASTER_PORT if given, else a free port.
+    script = (
+        "import socket\n"
+        "blocker = socket.socket()\n"
+        "try:\n"
+        "    blocker.bind(('127.0.0.1', 29500)); blocker.listen()\n"
+        "except OSError:\n"
+        "    pass  # someone else holds it already: the point is the same\n"
+        "import torch.distributed as dist\n"
+        "from scalebook.comm import init_from_env\n"
+        "env = init_from_env(timeout=30)\n"
+        "print(env.launcher, dist.get_world_size())\n"
+        "dist.destroy_process_group()\n"
+    )
+    environ = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"}
+               and not k.startswith("SLURM_")}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], env=environ, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["none", "1"]

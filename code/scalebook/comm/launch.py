@@ -144,7 +144,10 @@ def init_from_env(timeout: float = 600.0) -> DistEnv:
     elif env.launcher == "torchrun":
         dist.init_process_group(backend, timeout=wait)  # init_method="env://"
     else:
-        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
+        # srun alone: the derived address. No launcher at all (one process that wants a group, e.g. FSDP2 on
+        # one rank): nobody else needs the port, so MASTER_PORT if given, else a free one, not a fixed 29500.
+        port = env.master_port if env.launcher == "slurm" else int(os.environ.get("MASTER_PORT") or free_port())
+        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{port}", rank=env.rank,
                                 world_size=env.world_size, timeout=wait)  # fmt: skip
     return env
 
