@@ -10,7 +10,7 @@ otherwise surface after minutes (or hours) of training, and reports them all in 
 - the data: :func:`scalebook.data.check_corpus` (readable, text, long enough for one sequence);
 - ``--resume``: the newest checkpoint whose files match their manifest
   (:func:`scalebook.train.checkpoint.newest_intact`), its settings that fix the run (model, data, batch,
-  seed: :data:`RESUME_SETTINGS`) equal to this run's, its state readable in this layout, and ``--steps``
+  seed: ``RESUME_SETTINGS``) equal to this run's, its state readable in this layout, and ``--steps``
   beyond its step.
 
 Every rank reaches the same verdict from the same arguments and files, so no rank waits for another that
