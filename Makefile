@@ -69,6 +69,7 @@ bench: $(STAMP)
 ## Options through ARGS, e.g. ARGS="--skip-strategies --micro-batch 8"
 GPU_PYTHON ?= $(shell python3 -c "import torch" 2> /dev/null && echo python3 || echo $(BIN)/python)
 gpu-check:
+	@if [ "$(GPU_PYTHON)" = "$(BIN)/python" ]; then $(MAKE) --no-print-directory venv; fi
 	PYTHONPATH=code$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) bench/gpu_check.py $(ARGS)
 
 clean:
