@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from scalebook import compat as _compat  # noqa: F401  (all_gather_single on a PyTorch before 2.13)
+
 
 def check_variants(variants, allowed: tuple[str, ...]) -> tuple[str, ...]:
     """``variants`` as a tuple, or a ValueError naming the allowed ones if it is empty or has others."""

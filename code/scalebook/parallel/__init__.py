@@ -14,3 +14,5 @@ Every strategy runs on CPU ranks with gloo (see :func:`scalebook.comm.launch`) a
 and is tested against PyTorch's own implementation and against single-process training. The chapters'
 timing studies and comparisons live in :mod:`scalebook.experiments`, not here.
 """
+
+from scalebook import compat as _compat  # noqa: F401  (a PyTorch before 2.13 gets the collectives' new names)

@@ -286,14 +286,3 @@ def tied_embedding_group(mesh: DeviceMesh):
         if mesh.rank in ranks:
             mine = group
     return mine
-
-
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single / reduce_scatter_single
-# and deprecated the old names with a warning; older releases (2.11 on the lent GPU machines) have only the old
-# ones. The package calls the new names: give them to an older torch when this module loads (parallelize, the CLI
-# and zero import it; sequence parallelism runs under parallelize, and cannot import it back: dims imports tensor),
-# in torch.distributed and in distributed_c10d, where wrappers of the calls (scalebook.comm.intercept) read them.
-for _new, _old in (("all_gather_single", "all_gather_into_tensor"), ("reduce_scatter_single", "reduce_scatter_tensor")):
-    for _module in (dist, dist.distributed_c10d):
-        if not hasattr(_module, _new):
-            setattr(_module, _new, getattr(_module, _old))
