@@ -51,14 +51,15 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step_{step:06d}"
 
 
-def atomic_save(obj, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file next to ``path``, flush it to disk, then rename it into place."""
+def atomic_save(obj, path: str | os.PathLike, save=torch.save) -> None:
+    """``save(obj, file)`` (``torch.save`` by default) to a temporary file next to ``path``, flush it to disk,
+    then rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -74,16 +75,7 @@ def save_shard(root: str | os.PathLike, step: int, rank: int, state: dict) -> Pa
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file next to ``path``, flush it to disk, then rename it into place."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_save(text.encode(), path, save=lambda data, f: f.write(data))
 
 
 def write_manifest(root: str | os.PathLike, step: int, meta: dict | None = None) -> Path:
