@@ -151,8 +151,9 @@ def test_required_hardware_is_listed():
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["v100-sxm2-32gb", "a100-sxm4-40gb", "a100-sxm4-80gb", "h100-sxm", "h200",
-                                  "b200", "mi300x"])  # fmt: skip
+@pytest.mark.parametrize("name", ["p100-sxm2-16gb", "v100-sxm2-16gb", "v100-sxm2-32gb", "a100-sxm4-40gb",
+                                  "a100-sxm4-80gb", "a800-sxm4-80gb", "h100-sxm", "h800-sxm", "h200", "b200",
+                                  "mi300x"])  # fmt: skip
 def test_hardware_cites_a_datasheet_and_knows_its_link(name):
     hw = configs.get_hardware(name)
     assert "datasheet" in hw.source
@@ -182,6 +183,38 @@ def test_datasheet_numbers():
     assert configs.get_hardware("h100-sxm").intra_node_bandwidth == 450e9
 
 
+def test_the_lecture_notes_gpu_memory_table():
+    # The lecture notes' table (P100 16 GB ... H800 80 GB), with the two sizes of V100 and A100, and the
+    # chips after it; B200's 192 GB chip is sold in 8-GPU systems that expose 180 GB each.
+    hbm_gb = {name: configs.get_hardware(name).hbm_bytes / 1e9 for name in configs.list_hardware()}
+    assert hbm_gb == {"p100-sxm2-16gb": 16, "v100-sxm2-16gb": 16, "v100-sxm2-32gb": 32, "a100-sxm4-40gb": 40,
+                      "a100-sxm4-80gb": 80, "a800-sxm4-80gb": 80, "h100-sxm": 80, "h800-sxm": 80, "h200": 141,
+                      "b200": 180, "mi300x": 192}  # fmt: skip
+
+
+def test_every_gpu_has_a_year_and_the_registry_runs_in_time_order_up_to_b200():
+    years = [configs.get_hardware(name).year for name in configs.list_hardware()]
+    assert years[:-1] == sorted(years[:-1]) and years[0] == 2016 and years[-2] == 2025  # MI300X (2023) last
+
+
+def test_export_versions_differ_only_in_nvlink():
+    for export, original in (("a800-sxm4-80gb", "a100-sxm4-80gb"), ("h800-sxm", "h100-sxm")):
+        a, b = configs.get_hardware(export), configs.get_hardware(original)
+        assert (dict(a.peak_flops), a.hbm_bytes, a.hbm_bandwidth) == (dict(b.peak_flops), b.hbm_bytes, b.hbm_bandwidth)
+        assert a.intra_node_bandwidth == 200e9 < b.intra_node_bandwidth  # 400 GB/s both directions
+
+
+def test_shared_memory_per_sm_from_the_architecture_whitepapers():
+    # Pascal 64 KB, Volta 96 KB, Ampere 164 KB, Hopper 228 KB of shared memory per SM (binary KB).
+    smem = {name: (hw.sm_count, hw.smem_per_sm_bytes) for name in configs.list_hardware()
+            if (hw := configs.get_hardware(name)).smem_per_sm_bytes}  # fmt: skip
+    assert smem["p100-sxm2-16gb"] == (56, 64 * 1024)
+    assert smem["v100-sxm2-32gb"] == (80, 96 * 1024)
+    assert smem["a100-sxm4-80gb"] == (108, 164 * 1024)
+    assert smem["h100-sxm"] == smem["h200"] == (132, 228 * 1024)
+    assert smem["mi300x"] == (304, 64 * 1024)  # CDNA 3: local data share per compute unit
+
+
 def test_a_dtype_the_chip_lacks_names_the_ones_it_has():
     with pytest.raises(ValueError, match=r"no 'bf16' peak; choose one of \('fp32', 'fp16'\)"):
         configs.get_hardware("v100-sxm2-32gb").peak("bf16")
@@ -190,8 +223,8 @@ def test_a_dtype_the_chip_lacks_names_the_ones_it_has():
 def test_nvlink_generations_as_the_lecture_notes_quote_them():
     # NVLink 3.0 600 GB/s (2020), 4.0 900 GB/s (2022), 5.0 1.8 TB/s (2025), 6.0 3.6 TB/s (2026):
     # vendor figures add both directions.
-    bidirectional = [configs.get_link(f"nvlink-{g}").bidirectional_bandwidth for g in (3, 4, 5, 6)]
-    assert bidirectional == [600e9, 900e9, 1.8e12, 3.6e12]
+    bidirectional = [configs.get_link(f"nvlink-{g}").bidirectional_bandwidth for g in (1, 2, 3, 4, 5, 6)]
+    assert bidirectional == [160e9, 300e9, 600e9, 900e9, 1.8e12, 3.6e12]
 
 
 def test_network_ports_are_per_direction_and_pcie_is_both():

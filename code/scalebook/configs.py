@@ -33,6 +33,7 @@ DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 GB = 10**9
 TB = 10**12
+KIB = 2**10  # shared memory is quoted in binary kilobytes
 TFLOPS = 1e12
 
 
@@ -300,6 +301,7 @@ class Link:
 
 
 _LINKS = (
+    Link("nvlink-1", 160 * GB / 2, "NVIDIA Tesla P100 datasheet: NVLink 160 GB/s, both directions (2016)"),
     Link("nvlink-2", 300 * GB / 2, "NVIDIA Tesla V100 datasheet: NVLink 300 GB/s, both directions (2017)"),
     Link("nvlink-3", 600 * GB / 2, "NVIDIA A100 datasheet: NVLink 600 GB/s, both directions (2020)"),
     Link("nvlink-4", 900 * GB / 2, "NVIDIA H100 datasheet: NVLink 900 GB/s, both directions (2022)"),
@@ -307,6 +309,8 @@ _LINKS = (
          "both directions (2025)"),
     Link("nvlink-6", 3.6 * TB / 2, "NVIDIA Vera Rubin announcement: NVLink 6 3.6 TB/s per GPU, "
          "both directions (2026)"),
+    Link("nvlink-a800-h800", 400 * GB / 2, "NVIDIA A800 and H800 datasheets: NVLink 400 GB/s, both directions "
+         "(the export versions of the A100 and H100)"),
     Link("infinity-fabric-mi300x", 896 * GB / 2, "AMD Instinct MI300X datasheet: 7 Infinity Fabric links, "
          "896 GB/s aggregate, both directions"),
     Link("infiniband-hdr", 200e9 / 8, "NVIDIA ConnectX-6 HDR InfiniBand: 200 Gb/s per port, per direction"),
@@ -329,7 +333,10 @@ class Hardware:
     fp16 and fp8, and ordinary (non-tensor) throughput for fp32. Datasheets print the tensor-core
     figures "with sparsity" (2:4 structured), twice the dense rate; the values here are halved. A
     dtype the chip cannot run on its matrix units is absent. ``hbm_bytes`` is the datasheet capacity
-    in decimal GB (the chips hold GiB, about 7 % more, minus what the driver reserves).
+    in decimal GB (the chips hold GiB, about 7 % more, minus what the driver reserves). ``year`` is the
+    year the chip shipped; ``sm_count`` and ``smem_per_sm_bytes`` (the largest shared memory one streaming
+    multiprocessor can give its thread blocks, binary KB) size a FlashAttention tile, where the vendor
+    publishes them.
     """
 
     name: str
@@ -338,6 +345,9 @@ class Hardware:
     hbm_bandwidth: float
     intra_node_link: str
     source: str
+    year: int | None = None
+    sm_count: int | None = None
+    smem_per_sm_bytes: int | None = None
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s in ``dtype``."""
@@ -351,48 +361,76 @@ class Hardware:
         return LINKS[self.intra_node_link].bandwidth
 
 
-def _hardware(name, peaks, hbm_gb, hbm_bandwidth, link, source) -> Hardware:
-    return Hardware(name, MappingProxyType(peaks), int(hbm_gb * GB), hbm_bandwidth, link, source)
+def _hardware(name, peaks, hbm_gb, hbm_bandwidth, link, source, *, year, sms=None, smem_kib=None) -> Hardware:
+    smem = None if smem_kib is None else smem_kib * KIB
+    return Hardware(name, MappingProxyType(peaks), int(hbm_gb * GB), hbm_bandwidth, link, source, year, sms, smem)
 
 
 _HARDWARE = (
+    _hardware("p100-sxm2-16gb", {"fp32": 10.6 * TFLOPS, "fp16": 21.2 * TFLOPS}, 16, 732 * GB, "nvlink-1",
+              "NVIDIA Tesla P100 datasheet (SXM2): FP32 10.6, FP16 21.2 TFLOPS (packed half2 on the CUDA cores: "
+              "no tensor cores yet), 16 GB HBM2 at 732 GB/s, NVLink 160 GB/s; Pascal GP100 whitepaper: 56 SMs, "
+              "64 KB shared memory per SM", year=2016, sms=56, smem_kib=64),
+    _hardware("v100-sxm2-16gb", {"fp32": 15.7 * TFLOPS, "fp16": 125 * TFLOPS}, 16, 900 * GB, "nvlink-2",
+              "NVIDIA Tesla V100 datasheet (SXM2): FP32 15.7 TFLOPS, Tensor 125 TFLOPS (FP16, no sparsity "
+              "support), 16 GB HBM2 at 900 GB/s, NVLink 300 GB/s; Volta GV100 whitepaper: 80 SMs, up to 96 KB "
+              "shared memory per SM", year=2017, sms=80, smem_kib=96),
     _hardware("v100-sxm2-32gb", {"fp32": 15.7 * TFLOPS, "fp16": 125 * TFLOPS}, 32, 900 * GB, "nvlink-2",
               "NVIDIA Tesla V100 datasheet (SXM2): FP32 15.7 TFLOPS, Tensor 125 TFLOPS (FP16, no sparsity "
-              "support), 32 GB HBM2 at 900 GB/s, NVLink 300 GB/s"),
+              "support), 32 GB HBM2 at 900 GB/s, NVLink 300 GB/s; Volta GV100 whitepaper: 80 SMs, up to 96 KB "
+              "shared memory per SM (the 32 GB card shipped in 2018)", year=2018, sms=80, smem_kib=96),
     _hardware("a100-sxm4-40gb",
               {"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS, "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
               40, 1555 * GB, "nvlink-3",
               "NVIDIA A100 Tensor Core GPU datasheet (SXM): FP32 19.5, TF32 156 (312 sparse), BF16/FP16 312 "
-              "(624 sparse) TFLOPS; 40 GB HBM2 at 1,555 GB/s; NVLink 600 GB/s"),
+              "(624 sparse) TFLOPS; 40 GB HBM2 at 1,555 GB/s; NVLink 600 GB/s; Ampere GA100 whitepaper: 108 SMs, "
+              "up to 164 KB shared memory per SM", year=2020, sms=108, smem_kib=164),
     _hardware("a100-sxm4-80gb",
               {"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS, "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
               80, 2039 * GB, "nvlink-3",
               "NVIDIA A100 Tensor Core GPU datasheet (SXM): FP32 19.5, TF32 156 (312 sparse), BF16/FP16 312 "
-              "(624 sparse) TFLOPS; 80 GB HBM2e at 2,039 GB/s; NVLink 600 GB/s"),
+              "(624 sparse) TFLOPS; 80 GB HBM2e at 2,039 GB/s; NVLink 600 GB/s; Ampere GA100 whitepaper: 108 SMs, "
+              "up to 164 KB shared memory per SM", year=2020, sms=108, smem_kib=164),
+    _hardware("a800-sxm4-80gb",
+              {"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS, "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
+              80, 2039 * GB, "nvlink-a800-h800",
+              "NVIDIA A800 Tensor Core GPU datasheet (SXM): the A100 80 GB's compute and memory (BF16/FP16 312 "
+              "TFLOPS dense, 80 GB HBM2e at 2,039 GB/s) with NVLink cut to 400 GB/s for export", year=2022),
     _hardware("h100-sxm",
               {"fp32": 67 * TFLOPS, "tf32": 989 / 2 * TFLOPS, "bf16": 1979 / 2 * TFLOPS,
                "fp16": 1979 / 2 * TFLOPS, "fp8": 3958 / 2 * TFLOPS},
               80, 3.35 * TB, "nvlink-4",
               "NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67, TF32 989, BF16/FP16 1,979, FP8 3,958 "
-              "TFLOPS with sparsity (dense is half); 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s"),
+              "TFLOPS with sparsity (dense is half); 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s; NVIDIA H100 "
+              "Tensor Core GPU Architecture whitepaper: 132 SMs (SXM5), up to 228 KB shared memory per SM",
+              year=2022, sms=132, smem_kib=228),
+    _hardware("h800-sxm",
+              {"fp32": 67 * TFLOPS, "tf32": 989 / 2 * TFLOPS, "bf16": 1979 / 2 * TFLOPS,
+               "fp16": 1979 / 2 * TFLOPS, "fp8": 3958 / 2 * TFLOPS},
+              80, 3.35 * TB, "nvlink-a800-h800",
+              "NVIDIA H800 Tensor Core GPU datasheet (SXM): the H100 SXM's tensor throughput and 80 GB HBM3 at "
+              "3.35 TB/s, with NVLink cut to 400 GB/s for export; DeepSeek-V3 (DeepSeek-AI 2024, Sec. 3.1) "
+              "trained on 2,048 of them", year=2023),
     _hardware("h200",
               {"fp32": 67 * TFLOPS, "tf32": 989 / 2 * TFLOPS, "bf16": 1979 / 2 * TFLOPS,
                "fp16": 1979 / 2 * TFLOPS, "fp8": 3958 / 2 * TFLOPS},
               141, 4.8 * TB, "nvlink-4",
               "NVIDIA H200 Tensor Core GPU datasheet (SXM): FP32 67, TF32 989, BF16/FP16 1,979, FP8 3,958 "
-              "TFLOPS with sparsity (dense is half); 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s"),
+              "TFLOPS with sparsity (dense is half); 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s; the same GH100 "
+              "chip as the H100 (132 SMs, up to 228 KB shared memory per SM)", year=2024, sms=132, smem_kib=228),
     _hardware("b200",
               {"tf32": 18e15 / 8 / 2, "bf16": 36e15 / 8 / 2, "fp16": 36e15 / 8 / 2, "fp8": 72e15 / 8 / 2},
               1440 / 8, 64 * TB / 8, "nvlink-5",
               "NVIDIA DGX B200 datasheet / HGX B200 specifications, 8 GPUs: TF32 18, BF16/FP16 36, FP8 72 "
               "PFLOPS with sparsity; 1,440 GB HBM3e at 64 TB/s; NVLink 1.8 TB/s per GPU. Per GPU: total / 8, "
-              "dense = half"),
+              "dense = half (the chip carries 192 GB, of which these systems expose 180 GB)", year=2025),
     _hardware("mi300x",
               {"fp32": 163.4 * TFLOPS, "tf32": 653.7 * TFLOPS, "bf16": 1307.4 * TFLOPS,
                "fp16": 1307.4 * TFLOPS, "fp8": 2614.9 * TFLOPS},
               192, 5.3 * TB, "infinity-fabric-mi300x",
               "AMD Instinct MI300X datasheet: FP32 163.4, TF32 653.7, BF16/FP16 1,307.4, FP8 2,614.9 TFLOPS "
-              "dense (sparsity doubles them); 192 GB HBM3 at 5.3 TB/s; Infinity Fabric 896 GB/s"),
+              "dense (sparsity doubles them); 192 GB HBM3 at 5.3 TB/s; Infinity Fabric 896 GB/s; AMD CDNA 3 "
+              "whitepaper: 304 compute units, 64 KB local data share per CU", year=2023, sms=304, smem_kib=64),
 )  # fmt: skip
 HARDWARE = MappingProxyType({h.name: h for h in _HARDWARE})
 
