@@ -10,6 +10,7 @@ from scalebook import accounting, configs
 GPT2_FAMILY = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
 GPT3_TABLE_2_1 = [f"gpt3-{size}" for size in ("125m", "350m", "760m", "1.3b", "2.7b", "6.7b", "13b", "175b")]
 LLAMAS = ["llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b", "llama-3.1-405b"]
+MOES = ["mixtral-8x7b", "deepseek-v3"]
 
 
 def _models(names):
@@ -17,18 +18,18 @@ def _models(names):
 
 
 def test_every_published_family_is_listed():
-    assert configs.list_models() == GPT2_FAMILY + GPT3_TABLE_2_1 + LLAMAS
+    assert configs.list_models() == GPT2_FAMILY + GPT3_TABLE_2_1 + LLAMAS + MOES
 
 
-@pytest.mark.parametrize("name", GPT2_FAMILY + GPT3_TABLE_2_1 + LLAMAS)
+@pytest.mark.parametrize("name", GPT2_FAMILY + GPT3_TABLE_2_1 + LLAMAS + MOES)
 def test_every_model_cites_its_source_and_headline_size(name):
     cfg = configs.get_model(name)
     assert cfg.name == name
-    assert any(paper in cfg.source for paper in ("Radford", "Brown", "Touvron", "Grattafiori"))
+    assert any(paper in cfg.source for paper in ("Radford", "Brown", "Touvron", "Grattafiori", "Jiang", "DeepSeek"))
     assert cfg.nominal_params > 0
 
 
-@pytest.mark.parametrize("name", GPT2_FAMILY + GPT3_TABLE_2_1 + LLAMAS)
+@pytest.mark.parametrize("name", GPT2_FAMILY + GPT3_TABLE_2_1 + LLAMAS + MOES)
 def test_every_shape_lands_within_7_percent_of_its_headline_size(name):
     # A typo in a width or a layer count moves the exact count far from the paper's "175B".
     # (The widest gap is GPT-2 small: the paper says 117M, the released model has 124M.)
@@ -82,6 +83,21 @@ def test_llama_shapes_match_hf_config_json():
         assert (cfg.norm, cfg.mlp, cfg.bias, cfg.tied_embeddings) == ("rmsnorm", "swiglu", False, False)
 
 
+def test_moe_shapes_match_hf_config_json():
+    # mistralai/Mixtral-8x7B-v0.1 and deepseek-ai/DeepSeek-V3 config.json: num_local_experts /
+    # n_routed_experts, num_experts_per_tok, n_shared_experts, moe_intermediate_size, first_k_dense_replace.
+    mixtral, deepseek = configs.get_model("mixtral-8x7b"), configs.get_model("deepseek-v3")
+    moe = [(c.n_experts, c.experts_per_token, c.n_shared_experts, c.expert_d_ff, c.n_dense_layers, c.n_moe_layers)
+           for c in (mixtral, deepseek)]  # fmt: skip
+    assert moe == [(8, 2, 0, 14336, 0, 32), (256, 8, 1, 2048, 3, 58)]
+    assert (mixtral.vocab_size, mixtral.d_model, mixtral.n_layers, mixtral.n_heads, mixtral.n_kv_heads) == (
+        32000, 4096, 32, 32, 8)  # fmt: skip
+    assert (deepseek.vocab_size, deepseek.d_model, deepseek.n_layers, deepseek.n_heads, deepseek.d_ff) == (
+        129280, 7168, 61, 128, 18432)  # fmt: skip
+    assert deepseek.latent_attention == configs.LatentAttention(1536, 512, 128, 64, 128)
+    assert (deepseek.n_mtp_layers, mixtral.latent_attention) == (1, None)
+
+
 def test_model_configs_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         configs.get_model("gpt2").n_layers = 2
@@ -100,8 +116,12 @@ def test_from_gpt_config_reads_a_gpt_config_back():
     cfg = configs.get_model("gpt2-medium")
     back = configs.ModelConfig.from_gpt_config(SimpleNamespace(**cfg.gpt_config_kwargs()), name="gpt2-medium")
     # The published size and batch are not part of the shape a GPTConfig carries.
-    assert dataclasses.replace(back, source=cfg.source, nominal_params=cfg.nominal_params,
-                               batch_sequences=cfg.batch_sequences) == cfg
+    assert (
+        dataclasses.replace(
+            back, source=cfg.source, nominal_params=cfg.nominal_params, batch_sequences=cfg.batch_sequences
+        )
+        == cfg
+    )
 
 
 def test_gpt_config_kwargs_refuse_a_llama():
@@ -121,6 +141,11 @@ def test_gpt_config_kwargs_refuse_a_llama():
         (dict(n_heads=7), "d_model (768) must be divisible by n_heads (7)"),
         (dict(n_kv_heads=5), "must be a multiple of n_kv_heads (5)"),
         (dict(nominal_params=-1), "nominal_params must be positive"),
+        (dict(experts_per_token=2), "set n_experts (routed experts per layer) too"),
+        (dict(n_experts=8, experts_per_token=9), "experts_per_token must be in [1, n_experts = 8]"),
+        (dict(n_experts=8, experts_per_token=2, n_dense_layers=12), "must leave at least one MoE layer"),
+        (dict(n_experts=-1), "n_experts must be an integer >= 0"),
+        (dict(latent_attention=configs.LatentAttention(0, 512, 128, 64, 128)), "needs the Llama layout"),
     ],
 )
 def test_bad_model_config_says_what_to_change(change, message):

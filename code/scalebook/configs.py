@@ -2,13 +2,15 @@
 
 Three registries, each a frozen dataclass per entry:
 
-- models (:class:`ModelConfig`): the GPT-2 family, the eight rows of GPT-3's Table 2.1, Llama 2 and
-  Llama 3/3.1. ``nominal_params`` is the headline size the paper prints (``175e9``); the exact count
-  follows from the shape (``scalebook.accounting.param_count``). ``batch_sequences`` is the pre-training
-  batch in sequences of ``max_seq_len`` tokens, where the paper gives it: GPT-3's Table 2.1 prints
-  tokens (0.5M, 1M, 2M, 3.2M), which are 256, 512, 1,024 and 1,536 sequences of 2,048; the last is
-  1,536 x 2,048 = 3,145,728 tokens, which the table prints as 3.2M, and Megatron-LM's GPT-3 175B recipe
-  (``examples/gpt3/train_gpt3_175b_distributed.sh``, ``--global-batch-size 1536``) uses the same.
+- models (:class:`ModelConfig`): the GPT-2 family, the eight rows of GPT-3's Table 2.1, Llama 2, Llama
+  3/3.1, and two mixtures of experts: Mixtral 8x7B and DeepSeek-V3 (with its multi-head latent
+  attention, :class:`LatentAttention`). ``nominal_params`` is the headline size the paper prints
+  (``175e9``); the exact count follows from the shape (``scalebook.accounting.param_count``).
+  ``batch_sequences`` is the pre-training batch in sequences of ``max_seq_len`` tokens, where the paper
+  gives it: GPT-3's Table 2.1 prints tokens (0.5M, 1M, 2M, 3.2M), which are 256, 512, 1,024 and 1,536
+  sequences of 2,048; the last is 1,536 x 2,048 = 3,145,728 tokens, which the table prints as 3.2M, and
+  Megatron-LM's GPT-3 175B recipe (``examples/gpt3/train_gpt3_175b_distributed.sh``,
+  ``--global-batch-size 1536``) uses the same.
 - accelerators (:class:`Hardware`): dense peak FLOP/s per dtype (no 2:4 sparsity), HBM capacity and
   bandwidth, and the intra-node link each GPU has.
 - links (:class:`Link`): NVLink generations, InfiniBand, PCIe, RoCE.
@@ -16,7 +18,8 @@ Three registries, each a frozen dataclass per entry:
 Units are SI: bytes, bytes per second, FLOP per second; "GB" means 1e9 bytes, as on the datasheets.
 
 Source: Radford et al. 2019 (GPT-2), Table 2; Brown et al. 2020 (GPT-3), Table 2.1; Touvron et al.
-2023 (Llama 2), Table 1; Grattafiori et al. 2024 (The Llama 3 Herd of Models), Table 3; the
+2023 (Llama 2), Table 1; Grattafiori et al. 2024 (The Llama 3 Herd of Models), Table 3; Jiang et al. 2024
+(Mixtral of Experts); DeepSeek-AI 2024 (DeepSeek-V3 Technical Report), Sec. 2 and 4.2; the
 Hugging Face ``config.json`` of each released checkpoint; NVIDIA and AMD datasheets named per entry.
 """
 
@@ -38,11 +41,83 @@ TFLOPS = 1e12
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention (MLA): keys and values pass through a low-rank latent.
+
+    Per layer, width d and n_h heads: queries are ``W_DQ`` (d -> q_lora_rank), an RMSNorm, ``W_UQ``
+    (q_lora_rank -> n_h (qk_nope + qk_rope)); keys and values share one down-projection ``W_DKV``
+    (d -> kv_lora_rank + qk_rope, the rope part a single key shared by all heads), an RMSNorm on the
+    latent, and ``W_UKV`` (kv_lora_rank -> n_h (qk_nope + v)); the output projection is n_h v -> d.
+    ``q_lora_rank=0`` means queries are projected directly, d -> n_h (qk_nope + qk_rope).
+    """
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def problems(self) -> list[str]:
+        fields = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        found = [f"{a} must be a positive integer, got {getattr(self, a)!r}" for a in fields
+                 if not _is_positive_int(getattr(self, a))]  # fmt: skip
+        if self.q_lora_rank != 0 and not _is_positive_int(self.q_lora_rank):
+            found.append(f"q_lora_rank must be 0 (no query latent) or a positive integer, got {self.q_lora_rank!r}")
+        return found
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _moe_problems(cfg: ModelConfig) -> list[str]:
+    """What is wrong with the mixture-of-experts and latent-attention fields of ``cfg``."""
+    problems = []
+    for attr in ("n_experts", "experts_per_token", "n_shared_experts", "n_dense_layers", "n_mtp_layers"):
+        value = getattr(cfg, attr)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            problems.append(f"{attr} must be an integer >= 0, got {value!r}")
+    if problems:
+        return problems
+    if cfg.n_experts == 0:
+        if cfg.experts_per_token or cfg.n_shared_experts or cfg.n_dense_layers or cfg.d_ff_expert is not None:
+            problems.append("experts_per_token, n_shared_experts, n_dense_layers and d_ff_expert describe "
+                            "mixture-of-experts layers: set n_experts (routed experts per layer) too")
+    else:
+        if not 1 <= cfg.experts_per_token <= cfg.n_experts:
+            problems.append(f"experts_per_token must be in [1, n_experts = {cfg.n_experts}], "
+                            f"got {cfg.experts_per_token!r}")
+        if cfg.n_dense_layers >= cfg.n_layers:
+            problems.append(f"n_dense_layers ({cfg.n_dense_layers}) must leave at least one MoE layer "
+                            f"of the {cfg.n_layers}")
+        if cfg.d_ff_expert is not None and not _is_positive_int(cfg.d_ff_expert):
+            problems.append(f"d_ff_expert must be a positive integer or None (= d_ff), got {cfg.d_ff_expert!r}")
+    if cfg.latent_attention is not None:
+        if not isinstance(cfg.latent_attention, LatentAttention):
+            problems.append("latent_attention must be a LatentAttention or None")
+        elif cfg.arch != "llama" or cfg.bias:
+            problems.append("latent_attention needs the Llama layout (arch='llama', no biases)")
+        else:
+            problems.extend(cfg.latent_attention.problems())
+    return problems
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The shape of a decoder-only Transformer: everything that sets its parameter count and FLOPs.
 
     ``arch="gpt"`` means learned absolute position embeddings (``max_seq_len`` rows); ``"llama"``
     means rotary positions, which have no parameters.
+
+    A mixture of experts (``n_experts`` > 0) replaces the MLP of every layer after the first
+    ``n_dense_layers`` by ``n_experts`` routed experts of width ``d_ff_expert`` (``d_ff`` if None), of
+    which a router sends each token to ``experts_per_token``, plus ``n_shared_experts`` that every
+    token passes through; ``d_ff`` stays the width of the dense layers' MLP. ``n_mtp_layers``
+    multi-token-prediction modules ship beside the model but are not part of it (not counted).
     """
 
     name: str
@@ -61,6 +136,14 @@ class ModelConfig:
     source: str = "user-defined"
     nominal_params: float | None = None
     batch_sequences: int | None = None  # the published pre-training batch, in sequences of max_seq_len
+    nominal_active_params: float | None = None  # a mixture of experts' headline active size (13e9)
+    n_experts: int = 0  # routed experts per MoE layer; 0: a dense model
+    experts_per_token: int = 0  # routed experts each token goes to (top-k)
+    n_shared_experts: int = 0  # experts every token goes through (DeepSeekMoE)
+    d_ff_expert: int | None = None  # one expert's MLP width; None: d_ff
+    n_dense_layers: int = 0  # leading layers that keep a dense MLP of width d_ff
+    latent_attention: LatentAttention | None = None  # DeepSeek's MLA; None: (grouped-query) attention
+    n_mtp_layers: int = 0  # multi-token-prediction modules shipped beside the model, not counted in it
 
     def __post_init__(self):
         problems = []
@@ -89,6 +172,7 @@ class ModelConfig:
             or self.batch_sequences < 1
         ):
             problems.append(f"batch_sequences must be a positive integer or None, got {self.batch_sequences!r}")
+        problems.extend(_moe_problems(self))
         if problems:
             raise ValueError(f"invalid ModelConfig {self.name!r}: " + "; ".join(problems))
 
@@ -111,6 +195,20 @@ class ModelConfig:
     @property
     def learned_positions(self) -> bool:
         return self.arch == "gpt"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        """Layers whose MLP is a mixture of experts (0 for a dense model)."""
+        return self.n_layers - self.n_dense_layers if self.is_moe else 0
+
+    @property
+    def expert_d_ff(self) -> int:
+        """MLP width of one expert (routed or shared)."""
+        return self.d_ff if self.d_ff_expert is None else self.d_ff_expert
 
     def gpt_config_kwargs(self) -> dict:
         """Keyword arguments for ``scalebook.model.GPTConfig`` describing the same network."""
@@ -191,8 +289,13 @@ def llama_like(
     source: str = "user-defined",
     tied_embeddings: bool = False,
     batch_sequences: int | None = None,
+    **moe,
 ) -> ModelConfig:
-    """A Llama-layout model: rotary positions, RMSNorm, SwiGLU MLP, no biases, untied LM head."""
+    """A Llama-layout model: rotary positions, RMSNorm, SwiGLU MLP, no biases, untied LM head.
+
+    ``moe``: the mixture-of-experts and latent-attention fields of :class:`ModelConfig`
+    (``n_experts``, ``experts_per_token``, ...), each expert a SwiGLU MLP.
+    """
     return ModelConfig(
         name=name,
         arch="llama",
@@ -210,6 +313,7 @@ def llama_like(
         source=source,
         nominal_params=nominal_params,
         batch_sequences=batch_sequences,
+        **moe,
     )
 
 
@@ -231,6 +335,21 @@ _LLAMA2 = (
 _LLAMA3 = (
     "Grattafiori et al. 2024, 'The Llama 3 Herd of Models', Table 3 (vocabulary 128K, 8 KV heads); "
     "Hugging Face meta-llama/{hf} config.json"
+)
+
+_MIXTRAL = (
+    "Jiang et al. 2024, 'Mixtral of Experts', Sec. 2 (8 experts, top-2, 47B parameters, 13B active); Hugging "
+    "Face mistralai/Mixtral-8x7B-v0.1 config.json (hidden_size 4096, intermediate_size 14336, 32 layers, "
+    "32 heads, 8 KV heads, num_local_experts 8, num_experts_per_tok 2, vocab_size 32000, "
+    "max_position_embeddings 32768)"
+)
+_DEEPSEEK_V3 = (
+    "DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report', Sec. 4.2 (671B total, 37B activated per token; "
+    "the Hub's 685B adds the 14B multi-token-prediction module, README_WEIGHTS.md); Hugging Face "
+    "deepseek-ai/DeepSeek-V3 config.json (hidden_size 7168, 61 layers, 128 heads, intermediate_size 18432, "
+    "moe_intermediate_size 2048, n_routed_experts 256, num_experts_per_tok 8, n_shared_experts 1, "
+    "first_k_dense_replace 3, q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim "
+    "64, v_head_dim 128, vocab_size 129280, max_position_embeddings 163840, num_nextn_predict_layers 1)"
 )
 
 _MODELS = (
@@ -277,6 +396,15 @@ _MODELS = (
     llama_like("llama-3.1-405b", vocab_size=128256, d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8,
                d_ff=53248, max_seq_len=131072, nominal_params=405e9,
                source=_LLAMA3.format(hf="Llama-3.1-405B")),
+    llama_like("mixtral-8x7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+               d_ff=14336, max_seq_len=32768, nominal_params=47e9, nominal_active_params=13e9,
+               n_experts=8, experts_per_token=2, source=_MIXTRAL),
+    llama_like("deepseek-v3", vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, n_kv_heads=128,
+               d_ff=18432, max_seq_len=163840, nominal_params=671e9, nominal_active_params=37e9,
+               n_experts=256, experts_per_token=8, n_shared_experts=1, d_ff_expert=2048, n_dense_layers=3,
+               latent_attention=LatentAttention(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                                qk_rope_head_dim=64, v_head_dim=128),
+               n_mtp_layers=1, source=_DEEPSEEK_V3),
 )  # fmt: skip
 MODELS = MappingProxyType({m.name: m for m in _MODELS})
 

@@ -4,7 +4,8 @@ Pure Python (no torch), so a notebook, the planner or a widget can ask "how many
 FLOPs, how many days" instantly; ``scalebook.measure`` supplies the measured counterparts that the
 chapters check these numbers against.
 
-    params   param_count, param_breakdown, param_count_closed_form
+    params   param_count, param_breakdown, param_count_closed_form, active_param_count (MoE),
+             layer_weights, mtp_param_count
     memory   model_state_bytes (ZeRO, mixed precision), activation_bytes (Korthikanti et al., GPT and Llama layers)
     flops    flops_per_token, training_flops (6 N D), training_flops_with_attention (Narayanan et al.)
     time     mfu, training_days, devices_needed
@@ -33,7 +34,14 @@ from scalebook.accounting.memory import (
     activation_bytes,
     model_state_bytes,
 )
-from scalebook.accounting.params import param_breakdown, param_count, param_count_closed_form
+from scalebook.accounting.params import (
+    active_param_count,
+    layer_weights,
+    mtp_param_count,
+    param_breakdown,
+    param_count,
+    param_count_closed_form,
+)
 from scalebook.accounting.pipeline import bubble_fraction
 from scalebook.accounting.time import devices_needed, mfu, training_days
 
@@ -45,14 +53,17 @@ __all__ = [
     "ZERO_STAGES",
     "ModelStateBytes",
     "activation_bytes",
+    "active_param_count",
     "alpha_beta_time",
     "bubble_fraction",
     "bytes_sent_per_rank",
     "data_parallel_bytes_per_step",
     "devices_needed",
     "flops_per_token",
+    "layer_weights",
     "mfu",
     "model_state_bytes",
+    "mtp_param_count",
     "param_breakdown",
     "param_count",
     "param_count_closed_form",

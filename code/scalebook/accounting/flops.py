@@ -19,42 +19,53 @@ Like Narayanan et al., attention is counted over all s positions (the causal mas
 and biases, norms, softmax and embedding look-ups are left out. N in 6 N D is the exact parameter
 count of a ModelConfig, embeddings included, or whatever count you pass.
 
+A mixture of experts multiplies each token by the weights of the experts it is routed to, so its N
+is the active count (``accounting.active_param_count``): 6 N_active D, and in the attention-aware
+count 2 W per layer becomes the layer's active weights (the router, the shared and k routed
+experts). DeepSeek-V3's latent attention scores over query/key heads of d_nope + d_rope and values of
+d_v, so its 4 s h becomes 2 s n_h (d_nope + d_rope + d_v).
+
 Source: Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Sec. 2.1; Narayanan et al.
 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Sec. 5.1
-and Appendix.
+and Appendix; DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (37B activated parameters per token).
 """
 
 from __future__ import annotations
 
 from scalebook.accounting import _checks
-from scalebook.accounting.params import layer_matmul_weights, params_of
+from scalebook.accounting.params import layer_weights, params_of
 from scalebook.configs import ModelConfig
 
 
-def flops_per_token(
-    model: ModelConfig | float, *, seq_len: int | None = None, recompute: bool = False
-) -> float:
-    """Training FLOPs per token: 6 N (8 N with recomputation), or the attention-aware count at ``seq_len``."""
+def _score_width(cfg: ModelConfig) -> int:
+    """n_h (d_qk + d_v): what Q K^T and P V multiply over per position, 2 h without latent attention."""
+    mla = cfg.latent_attention
+    return 2 * cfg.d_model if mla is None else cfg.n_heads * (mla.qk_head_dim + mla.v_head_dim)
+
+
+def flops_per_token(model: ModelConfig | float, *, seq_len: int | None = None, recompute: bool = False) -> float:
+    """Training FLOPs per token: 6 N (8 N with recomputation), or the attention-aware count at ``seq_len``.
+
+    N is the active parameter count of a mixture of experts."""
     _checks.require(_checks.one_of("recompute", recompute, (False, True)))
     if seq_len is None:
-        return (8 if recompute else 6) * params_of(model)
+        return (8 if recompute else 6) * params_of(model, active=True)
     _checks.require(_checks.model_config(model), _checks.positive_int(seq_len=seq_len))
     L, h = model.n_layers, model.d_model
-    layers_forward = 2 * L * layer_matmul_weights(model) + 4 * L * seq_len * h
+    weights = sum(layer_weights(model, i, active=True) for i in range(L))
+    layers_forward = 2 * weights + 2 * L * seq_len * _score_width(model)
     head_forward = 2 * h * model.vocab_size
     # 3 (2 L W + 4 L s h + 2 h V) [+ L (2 W + 4 s h) with recomputation]
     return (4 if recompute else 3) * layers_forward + 3 * head_forward
 
 
 def training_flops(model: ModelConfig | float, tokens: float, *, recompute: bool = False) -> float:
-    """6 N D FLOPs to train on ``tokens`` tokens (8 N D with full recomputation)."""
+    """6 N D FLOPs to train on ``tokens`` tokens (8 N D with full recomputation); N_active for an MoE."""
     _checks.require(_checks.positive(tokens=tokens))
     return tokens * flops_per_token(model, recompute=recompute)
 
 
-def training_flops_with_attention(
-    cfg: ModelConfig, tokens: float, *, seq_len: int, recompute: bool = False
-) -> float:
+def training_flops_with_attention(cfg: ModelConfig, tokens: float, *, seq_len: int, recompute: bool = False) -> float:
     """Training FLOPs counting attention scores and the LM head (Narayanan et al.'s form for GPT)."""
     _checks.require(_checks.positive(tokens=tokens))
     return tokens * flops_per_token(cfg, seq_len=seq_len, recompute=recompute)
