@@ -6,6 +6,11 @@ Any text file or folder of ``.txt``/``.md``/``.rst`` files can replace it: :func
 tokens byte for byte (text that is not UTF-8, Latin-1 say, trains on its exact bytes) and refuses binary input with
 one message; :func:`check_corpus` runs the same checks, and the size check, before any rank starts.
 
+A corpus too large to hold in memory is tokenized once, ahead of training, into memory-mapped token shards:
+``python -m scalebook.data prepare INPUT --tokenizer {bytes | BPE.json | HF_DIR} --out DIR``
+(:mod:`scalebook.data.prepare`); ``--data DIR`` then trains on them (:mod:`scalebook.data.shards`), each rank
+reading only its own rows. :func:`load_tokens` opens either kind of ``--data``.
+
 Next-token prediction turns a token stream ``t_0 t_1 ... t_n`` into pairs: the model reads
 ``t_i .. t_{i+T-1}`` and must predict ``t_{i+1} .. t_{i+T}``, one target per position.
 
@@ -25,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from scalebook.data.shards import TokenShards, is_prepared
+
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
 
 
@@ -42,9 +49,11 @@ def corpus_tokens() -> torch.Tensor:
 
 
 _NO_DATA_HINT = (
-    f"point --data at a text file or a folder of {'/'.join(TEXT_SUFFIXES)} files, or leave --data out for the "
-    "embedded corpus"
+    f"point --data at a text file, a folder of {'/'.join(TEXT_SUFFIXES)} files or a prepared folder, or leave --data "
+    "out for the embedded corpus"
 )
+# The byte-level tokenizer's identity in a prepared index and in a checkpoint (see :func:`tokenizer_id`).
+BYTES_TOKENIZER_ID = "bytes"
 # Control codes that no text encoding uses for text: C0 except tab, LF, VT, FF, CR and ESC (terminal colours), and DEL.
 # Every byte >= 0x80 is a letter or sign in some single-byte encoding (Latin-1, Windows-1252, KOI8-R...), so a byte
 # that is not valid UTF-8 can still be text; these cannot.
@@ -52,7 +61,7 @@ _CONTROL_BYTES = bytes([*range(0x01, 0x09), *range(0x0E, 0x1B), *range(0x1C, 0x2
 MAX_CONTROL_SHARE = 0.01
 
 
-def _corpus_files(path: Path) -> list[Path]:
+def corpus_files(path: Path) -> list[Path]:
     """The files that make up the corpus at ``path``: the file itself, or a folder's text files in sorted order."""
     if path.is_file():
         return [path]
@@ -72,6 +81,11 @@ def _text_bytes(file: Path) -> bytes:
         raise ValueError(
             f"cannot read data file {file} ({err.strerror}); make it readable or {_NO_DATA_HINT}"
         ) from None
+    return check_text(raw, file)
+
+
+def check_text(raw: bytes, file: str | os.PathLike) -> bytes:
+    """``raw``, the bytes of ``file``, unless they are binary (the rule of :func:`corpus_bytes`): then a ValueError."""
     nul = raw.count(0)
     control = len(raw) - len(raw.translate(None, _CONTROL_BYTES))
     if nul or control > MAX_CONTROL_SHARE * len(raw):
@@ -97,7 +111,7 @@ def corpus_bytes(path: str | os.PathLike | None = None) -> bytes:
     if path is None:
         return default_corpus().encode("utf-8")
     path = Path(path)
-    raw = b"\n\n".join(_text_bytes(file) for file in _corpus_files(path))
+    raw = b"\n\n".join(_text_bytes(file) for file in corpus_files(path))
     if not raw:
         raise ValueError(f"data path {path} is empty; {_NO_DATA_HINT}")
     return raw
@@ -109,13 +123,37 @@ def read_corpus(path: str | os.PathLike | None = None) -> torch.Tensor:
     return torch.frombuffer(bytearray(corpus_bytes(path)), dtype=torch.uint8).long()
 
 
-def check_corpus(path: str | os.PathLike | None, min_tokens: int) -> None:
-    """Raise one ValueError naming what to change unless ``path`` is a readable text corpus of at least
-    ``min_tokens`` byte tokens; the check a launcher runs before any rank starts work."""
-    n_tokens = len(corpus_bytes(path))
+def load_tokens(path: str | os.PathLike | None = None) -> torch.Tensor | TokenShards:
+    """The training tokens ``--data`` names: a prepared folder's ``train`` split memory-mapped
+    (:class:`~scalebook.data.shards.TokenShards`, nothing read yet), else :func:`read_corpus` of the text."""
+    return TokenShards(path, "train") if is_prepared(path) else read_corpus(path)
+
+
+def tokenizer_id(path: str | os.PathLike | None = None) -> str:
+    """The identity of the tokenizer that made the tokens ``--data`` names: a prepared folder's
+    ``index["tokenizer"]["id"]``, else ``BYTES_TOKENIZER_ID`` (text is byte-tokenized). A resume compares it."""
+    return TokenShards(path).tokenizer["id"] if is_prepared(path) else BYTES_TOKENIZER_ID
+
+
+def check_corpus(path: str | os.PathLike | None, min_tokens: int, vocab_size: int | None = None) -> None:
+    """Raise one ValueError naming what to change unless ``path`` is a readable text corpus, or an intact prepared
+    folder (index present, every shard of its size), of at least ``min_tokens`` tokens whose ids fit a model of
+    ``vocab_size`` tokens; the check a launcher runs before any rank starts work."""
+    if is_prepared(path):
+        shards = TokenShards(path, "train")
+        n_tokens = len(shards)
+        kind = "byte tokens" if shards.tokenizer["kind"] == "bytes" else f"tokens of {shards.tokenizer['name']}"
+        if vocab_size is not None and shards.vocab_size > vocab_size:
+            raise ValueError(
+                f"prepared data folder {path} holds ids of tokenizer {shards.tokenizer['name']!r}, a vocabulary "
+                f"of {shards.vocab_size:,} tokens, more than the model's {vocab_size:,}; choose a --model whose "
+                "vocabulary holds them, or prepare with a smaller tokenizer (--tokenizer bytes for 256)"
+            )
+    else:
+        n_tokens, kind = len(corpus_bytes(path)), "byte tokens"
     if n_tokens < min_tokens:
         raise ValueError(
-            f"data path {path} has {n_tokens:,} byte tokens, fewer than the {min_tokens:,} this run needs; "
+            f"data path {path} has {n_tokens:,} {kind}, fewer than the {min_tokens:,} this run needs; "
             "give more text, or a shorter --seq-len"
         )
 
@@ -167,8 +205,8 @@ def train_val_split(tokens: torch.Tensor, val_fraction: float = 0.1) -> tuple[to
     return tokens[:-n_val], tokens[-n_val:]
 
 
-def _check_batch_args(tokens: torch.Tensor, batch_size: int, seq_len: int, rank: int, world_size: int) -> None:
-    if tokens.dim() != 1:
+def _check_batch_args(tokens, batch_size: int, seq_len: int, rank: int, world_size: int) -> None:
+    if isinstance(tokens, torch.Tensor) and tokens.dim() != 1:
         raise ValueError(f"tokens must be a 1-D tensor, got shape {tuple(tokens.shape)}")
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
@@ -182,7 +220,7 @@ def _check_batch_args(tokens: torch.Tensor, batch_size: int, seq_len: int, rank:
 
 
 def get_batch(
-    tokens: torch.Tensor,
+    tokens: torch.Tensor | TokenShards,
     batch_size: int,
     seq_len: int,
     generator: torch.Generator,
@@ -193,18 +231,21 @@ def get_batch(
     """One batch of random windows: ``x`` is (batch_size, seq_len) and ``y`` is ``x`` shifted by one.
 
     The generator draws ``batch_size * world_size`` window starts (the global batch); this rank keeps
-    rows ``[rank * batch_size, (rank + 1) * batch_size)``.
+    rows ``[rank * batch_size, (rank + 1) * batch_size)``, and reads only their tokens: from memory-mapped
+    :class:`~scalebook.data.shards.TokenShards`, only the pages those windows cover.
     """
     _check_batch_args(tokens, batch_size, seq_len, rank, world_size)
     starts = torch.randint(len(tokens) - seq_len, (batch_size * world_size,), generator=generator)
     starts = starts[rank * batch_size : (rank + 1) * batch_size]
-    offsets = torch.arange(seq_len + 1)
-    windows = tokens[starts[:, None] + offsets]  # (batch_size, seq_len + 1)
+    if isinstance(tokens, TokenShards):
+        windows = tokens.windows(starts, seq_len + 1)
+    else:
+        windows = tokens[starts[:, None] + torch.arange(seq_len + 1)]  # (batch_size, seq_len + 1)
     return windows[:, :-1], windows[:, 1:]
 
 
 def random_batches(
-    tokens: torch.Tensor,
+    tokens: torch.Tensor | TokenShards,
     batch_size: int,
     seq_len: int,
     *,

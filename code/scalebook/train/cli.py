@@ -139,7 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-experts", type=int, default=0, help="experts per mixture-of-experts MLP (0: the dense MLP)")
     g.add_argument("--moe-top-k", type=int, default=2, help="experts each token is routed to")
     g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    g.add_argument("--data", default=None, help="a text file or folder (default: the embedded corpus)")
+    g.add_argument(
+        "--data",
+        default=None,
+        help="a text file or folder, or a folder of token shards written by `python -m scalebook.data prepare` "
+        "(memory-mapped; default: the embedded corpus)",
+    )
     g = p.add_argument_group("batch and schedule")
     g.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward on one rank")
     g.add_argument(
@@ -344,7 +349,7 @@ def run(args: argparse.Namespace, plan: Plan | None = None) -> list:
                         param_groups=lambda m: weight_decay_groups(m, cfg.weight_decay),
                         bucket_cap_mb=args.bucket_cap_mb, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                         foreach=False)  # fmt: skip
-    tokens = data.read_corpus(args.data)
+    tokens = data.load_tokens(args.data)  # a prepared folder is memory-mapped: each rank reads only its rows
     generator = torch.Generator().manual_seed(args.seed)
     losses = _resume(args, model, generator, plan.start)
     log = _Log(args, dims, env.rank, plan.start)

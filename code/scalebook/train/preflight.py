@@ -7,7 +7,8 @@ otherwise surface after minutes (or hours) of training, and reports them all in 
   ``--global-batch`` derived from the world size when it is not given (:func:`default_global_batch`);
 - the paths: ``--checkpoint-dir`` and the folder of ``--metrics`` are created and written to (a probe
   file), so an unwritable one fails before step 1, not at the first save;
-- the data: :func:`scalebook.data.check_corpus` (readable, text, long enough for one sequence);
+- the data: :func:`scalebook.data.check_corpus` (readable text, or prepared token shards with their index, each of
+  the size it gives, ids within the model's vocabulary; long enough for one sequence);
 - ``--resume``: the newest checkpoint whose files match their manifest
   (:func:`scalebook.train.checkpoint.newest_intact`), its settings that fix the run (model, data, batch,
   seed: ``RESUME_SETTINGS``) equal to this run's, its state readable in this layout, and ``--steps``
@@ -203,7 +204,7 @@ def preflight(args: argparse.Namespace, world_size: int) -> Plan:
         dims, problems = None, [line.strip() for line in str(error).splitlines()[1:]]
     problems += path_problems(args)
     try:
-        data.check_corpus(args.data, min_tokens=args.seq_len + 1)
+        data.check_corpus(args.data, min_tokens=args.seq_len + 1, vocab_size=model_config(args).vocab_size)
     except ValueError as error:
         problems.append(f"--data: {error}")
     plan = Plan(dims)
