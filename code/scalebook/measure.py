@@ -7,6 +7,8 @@ Each function measures on a real model what :mod:`scalebook.accounting` predicts
     saved_activation_bytes            bytes of the tensors autograd saves during a forward pass
     count_flops                       FLOPs of one forward and backward pass, counted per operator
     peak_matmul_flops                 this machine's fp32 matrix-multiply FLOP/s, the peak for MFU on a CPU
+    copy_bandwidth                    this machine's memory bandwidth, from a large copy
+    gpt_layer_op_calls, roofline_points   the operators of a GPT layer, run and timed for the roofline
 
 ``tracemalloc`` does not see torch's allocations, and process RSS mixes in the interpreter and the
 allocator's caches, so memory is measured by walking the tensors themselves. A storage shared by
@@ -19,7 +21,8 @@ saved by two operators (the softmax output by softmax and by the next matmul), s
 Source: PyTorch documentation: ``torch.Tensor.untyped_storage``; "Hooks for saved tensors"
 (``torch.autograd.graph.saved_tensors_hooks``); ``torch.utils.flop_counter.FlopCounterMode``.
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 4
-(what a Transformer layer saves); Chowdhery et al. 2022, "PaLM", Appendix B (MFU against peak FLOP/s).
+(what a Transformer layer saves); Chowdhery et al. 2022, "PaLM", Appendix B (MFU against peak FLOP/s);
+Williams et al. 2009, "Roofline" (peak and bandwidth measured by a kernel that saturates each).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -73,9 +77,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     if optimizer is not None:
         for state in optimizer.state.values():
             # Adam's scalar step counter is a tensor too; it is bookkeeping, not per-parameter state.
-            optimizer_tensors.extend(
-                v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"
-            )
+            optimizer_tensors.extend(v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step")
     return StateBytes(
         params=tensor_bytes(params),
         grads=tensor_bytes(p.grad for p in params),
@@ -102,9 +104,7 @@ def parameters_by_group(model: torch.nn.Module, groups: Mapping[str, str]) -> di
         else:
             counts[label] += param.numel()
     if unmatched:
-        raise ValueError(
-            f"no group matches {unmatched[:5]}{' ...' if len(unmatched) > 5 else ''}; add a pattern"
-        )
+        raise ValueError(f"no group matches {unmatched[:5]}{' ...' if len(unmatched) > 5 else ''}; add a pattern")
     return counts
 
 
@@ -191,9 +191,7 @@ def _layer_names(model: torch.nn.Module, layers) -> dict[int, str]:
     layers = list(layers or ())
     strangers = [type(layer).__name__ for layer in layers if id(layer) not in names]
     if strangers:
-        raise ValueError(
-            f"layers must be sub-modules of the model (e.g. model.blocks); not found: {strangers}"
-        )
+        raise ValueError(f"layers must be sub-modules of the model (e.g. model.blocks); not found: {strangers}")
     return {id(layer): names[id(layer)] for layer in layers}
 
 
@@ -237,9 +235,7 @@ def record_saved_tensors(run, exclude: tuple[torch.Tensor, ...], running: list[s
         output = run()
     del output
     keep.clear()
-    return SavedActivations(
-        tensors=tuple(records), layer_names=layer_names, parameter_copy_bytes=sum(copies.values())
-    )
+    return SavedActivations(tensors=tuple(records), layer_names=layer_names, parameter_copy_bytes=sum(copies.values()))
 
 
 def saved_by_call(fn, *args, exclude: Iterable[torch.Tensor] = ()) -> SavedActivations:
@@ -353,23 +349,115 @@ def count_flops(model: torch.nn.Module, inputs, *, loss_fn: Callable | None = No
     return FlopCount(forward=forward, backward=backward, by_operator=MappingProxyType(by_operator))
 
 
+def _require_positive_ints(**values) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def best_time(fn: Callable[[], object], *, repeats: int = 5) -> float:
+    """Seconds of the fastest of ``repeats`` calls of ``fn()``, after one warm-up call (thread pool
+    start-up, first-touch page faults). The minimum is the run least disturbed by other work."""
+    _require_positive_ints(repeats=repeats)
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def peak_matmul_flops(size: int = 2048, *, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
     """FLOP/s of the fastest of ``repeats`` (size x size) @ (size x size) products: 2 size^3 FLOPs each.
 
     Large square products are the best case for the math library, so this is the most the machine
     sustains in practice, the denominator of MFU on a CPU (whose datasheets quote no dense FLOP/s).
     """
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"size must be an integer >= 1 (the side of the square matrices), got {size!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    _require_positive_ints(size=size, repeats=repeats)
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
     out = torch.empty(size, size, dtype=dtype)
-    torch.mm(a, b, out=out)  # warm-up: thread pool start-up and first-touch page faults
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b, out=out)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    return 2 * size**3 / best_time(lambda: torch.mm(a, b, out=out), repeats=repeats)
+
+
+def copy_bandwidth(megabytes: int = 256, *, repeats: int = 5) -> float:
+    """Bytes/s of the fastest of ``repeats`` copies of a ``megabytes`` MB fp32 tensor into another.
+
+    A copy reads every byte once and writes it once, 2 x the size moved, with no arithmetic: the most
+    bandwidth a program gets from memory. The tensor should be far larger than the caches (tens of MB),
+    or the cache's bandwidth is measured instead.
+    """
+    _require_positive_ints(megabytes=megabytes, repeats=repeats)
+    src = torch.ones(megabytes * 10**6 // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / best_time(lambda: dst.copy_(src), repeats=repeats)
+
+
+# ---------------------------------------------------------------------------------------------- roofline
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One operator of a GPT layer, ready to run: ``fn(*inputs)``."""
+
+    name: str
+    fn: Callable
+    inputs: tuple[torch.Tensor, ...]
+
+    def __call__(self) -> torch.Tensor:
+        return self.fn(*self.inputs)
+
+
+def gpt_layer_op_calls(
+    batch: int, seq_len: int, d_model: int, n_heads: int, *, dtype: torch.dtype = torch.float32
+) -> dict[str, OpCall]:
+    """The operators of ``accounting.roofline.gpt_layer_ops`` on random tensors of their shapes, by name."""
+    _require_positive_ints(batch=batch, seq_len=seq_len, d_model=d_model, n_heads=n_heads)
+    if d_model % n_heads:
+        raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+    b, s, h, a = batch, seq_len, d_model, n_heads
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    x, scores, heads = t(b, s, h), t(b, a, s, s), t(b, a, s, h // a)
+    calls = [
+        OpCall("LayerNorm", lambda x, w, c: F.layer_norm(x, (h,), w, c), (x, t(h), t(h))),
+        OpCall("QKV projection", torch.matmul, (x, t(h, 3 * h))),
+        OpCall("attention scores QK^T", torch.matmul, (heads, t(b, a, h // a, s))),
+        OpCall("softmax", lambda z: torch.softmax(z, dim=-1), (scores,)),
+        OpCall("attention P V", torch.matmul, (scores, heads)),
+        OpCall("output projection", torch.matmul, (x, t(h, h))),
+        OpCall("residual add", torch.add, (x, t(b, s, h))),
+        OpCall("MLP up", torch.matmul, (x, t(h, 4 * h))),
+        OpCall("GELU", lambda z: F.gelu(z, approximate="tanh"), (t(b, s, 4 * h),)),
+        OpCall("MLP down", torch.matmul, (t(b, s, 4 * h), t(4 * h, h))),
+    ]
+    return {call.name: call for call in calls}
+
+
+@dataclass(frozen=True)
+class RooflinePoint:
+    """An operator placed on the roofline: its intensity (from the formula) and the FLOP/s it reached."""
+
+    name: str
+    intensity: float
+    flops_per_second: float
+    seconds: float
+
+
+def roofline_points(
+    batch: int, seq_len: int, d_model: int, n_heads: int, *, repeats: int = 5, dtype: torch.dtype = torch.float32
+) -> list[RooflinePoint]:
+    """Time each operator of a GPT layer (best of ``repeats``) and divide its formula FLOPs by the time."""
+    from scalebook.accounting import roofline
+
+    calls = gpt_layer_op_calls(batch, seq_len, d_model, n_heads, dtype=dtype)
+    p = torch.empty((), dtype=dtype).element_size()
+    points = []
+    for op in roofline.gpt_layer_ops(batch, seq_len, d_model, n_heads, dtype_bytes=p):
+        seconds = best_time(calls[op.name], repeats=repeats)
+        points.append(RooflinePoint(op.name, op.intensity, op.flops / seconds, seconds))
+    return points
