@@ -43,9 +43,10 @@ check: $(STAMP)
 notebooks: $(STAMP)
 	$(BIN)/python -m scalebook.notebook notebooks/*.ipynb
 
-## lab: JupyterLab on the notebooks; NB=notebooks/NN_name.ipynb opens that chapter
+## lab: JupyterLab on the notebooks, their prose rendered by jupyterlab-myst; NB=notebooks/NN_name.ipynb opens that
+## chapter; run as root (a container), it passes --allow-root
 lab: $(STAMP)
-	$(BIN)/jupyter lab $(or $(NB),notebooks)
+	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(or $(NB),notebooks)
 
 ## train: one training run on this machine; pass arguments with ARGS="--model small --steps 100"
 train: $(STAMP)

@@ -4,6 +4,7 @@ dropdown, and a few multiple-choice checks with hidden answers."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -177,3 +178,78 @@ def test_the_lecture_notes_check_catches_what_it_must():
     assert uncited_lecture_notes("As the lecture notes say, 800 GPUs.")
     assert not uncited_lecture_notes("As the lecture notes {footcite}`xu2026transformer` say, 800 GPUs.")
     assert not uncited_lecture_notes("Two runs with different random seeds differ by noise.")
+
+
+GLUE_MIME = "application/papermill.record/text/plain"
+
+
+def number_problems(cells: list[dict]) -> list[str]:
+    """Where a notebook's numbers in prose would not show what its cells computed, in words.
+
+    Each ``{eval}`` expression must have a stored result (what JupyterLab and the site show) equal to the
+    expression evaluated over the values the code cells glued (their outputs, which nbval compares), so a
+    changed number fails nbval and a stale or hand-edited result fails here. Expressions read ``glued`` only.
+    """
+    from scalebook.notebook import Glued, eval_expressions, shown_text
+
+    values = Glued()
+    for cell in cells:
+        for out in cell.get("outputs", []):
+            name = out.get("metadata", {}).get("scrapbook", {}).get("name")
+            if name is not None:
+                setattr(values, name, ast.literal_eval(out["data"][GLUE_MIME]))
+    found = []
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] != "markdown":
+            continue
+        expressions = eval_expressions("".join(cell["source"]))
+        stored = {e["expression"]: e["result"] for e in cell.get("metadata", {}).get("user_expressions", [])}
+        if sorted(stored) != sorted(expressions):
+            found.append(f"cell {i}: stored results for {sorted(stored)}, roles {sorted(expressions)}")
+            continue
+        for expression in expressions:
+            try:
+                want = str(eval(expression, {"__builtins__": {}}, {"glued": values}))  # noqa: S307 (the book's own)
+                shown = shown_text(stored[expression])
+            except Exception as exc:  # noqa: BLE001 - any failure is the finding
+                found.append(f"cell {i}: {expression}: {type(exc).__name__}: {exc}")
+                continue
+            if shown != want:
+                found.append(f"cell {i}: {expression} shows {shown!r}, the glued value gives {want!r}")
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_number_in_prose_shows_the_glued_value(path):
+    assert number_problems(json.loads(path.read_text(encoding="utf8"))["cells"]) == []
+
+
+def test_the_number_check_catches_stale_missing_and_typed_results():
+    def ok(text):
+        return {"status": "ok", "data": {"text/plain": repr(text)}, "metadata": {}}
+
+    glue_cell = {
+        "cell_type": "code",
+        "source": "",
+        "outputs": [
+            {"output_type": "display_data", "data": {GLUE_MIME: "2.84"}, "metadata": {"scrapbook": {"name": "tb"}}}
+        ],
+    }
+    expression = 'f"{glued.tb:.1f}"'
+    prose = {
+        "cell_type": "markdown",
+        "source": "It is {eval}`" + expression + "` TB.",
+        "metadata": {"user_expressions": [{"expression": expression, "result": ok("2.8")}]},
+    }
+    assert number_problems([glue_cell, prose]) == []
+    stale = json.loads(json.dumps(prose))
+    stale["metadata"]["user_expressions"][0]["result"] = ok("3.1")
+    assert number_problems([glue_cell, stale]) == [f"cell 1: {expression} shows '3.1', the glued value gives '2.8'"]
+    missing = {**prose, "metadata": {}}
+    assert number_problems([glue_cell, missing])[0].startswith("cell 1: stored results for []")
+    other = {
+        **prose,
+        "source": "It is {eval}`tb * 2` TB.",
+        "metadata": {"user_expressions": [{"expression": "tb * 2", "result": ok("5.68")}]},
+    }
+    assert "NameError" in number_problems([glue_cell, other])[0]

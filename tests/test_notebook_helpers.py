@@ -30,14 +30,54 @@ def test_human_count():
     assert notebook.human_count(175e9) == "175B" and notebook.human_count(124_439_808) == "124M"
 
 
-def test_execute_notebook_runs_and_saves_outputs(tmp_path):
+def test_execute_notebook_runs_saves_outputs_and_stores_each_eval_result_where_its_cell_stands(tmp_path):
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell("print(6 * 7)")]
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "from scalebook.notebook import glue, glued\nprint(6 * 7)\nglue('tb', 2.84, display=False)"
+        ),
+        nbformat.v4.new_markdown_cell('Holds {eval}`f"{glued.tb:.1f}"` TB, {eval}``glued["tb"]`` exactly.'),
+        nbformat.v4.new_code_cell("glue('tb', 9.0, display=False)"),
+        nbformat.v4.new_markdown_cell('Then {eval}`f"{glued.tb:.1f}"` TB.'),
+    ]
     path = tmp_path / "tiny.ipynb"
     nbformat.write(nb, path)
     seconds = notebook.execute_notebook(path)
     assert seconds > 0
-    assert nbformat.read(path, as_version=4).cells[0].outputs[0]["text"] == "42\n"
+    cells = nbformat.read(path, as_version=4).cells
+    assert cells[0].outputs[0]["text"] == "42\n"
+    # jupyterlab-myst's format: the expression and the kernel's user_expressions reply for it.
+    assert cells[1].metadata.user_expressions == [
+        {
+            "expression": 'f"{glued.tb:.1f}"',
+            "result": {"status": "ok", "data": {"text/plain": "'2.8'"}, "metadata": {}},
+        },
+        {"expression": 'glued["tb"]', "result": {"status": "ok", "data": {"text/plain": "2.84"}, "metadata": {}}},
+    ]
+    assert notebook.shown_text(cells[3].metadata.user_expressions[0]["result"]) == "9.0"
+    assert cells[2].execution_count == 2  # evaluating the expressions runs no cell of its own
+
+    # Prose may announce a value glued further down: its cell is evaluated again after the last cell.
+    nb.cells.insert(0, nbformat.v4.new_markdown_cell("Ahead: {eval}`glued.later`."))
+    nb.cells.append(nbformat.v4.new_code_cell("glue('later', 7, display=False)"))
+    nbformat.write(nb, path)
+    notebook.execute_notebook(path)
+    cells = nbformat.read(path, as_version=4).cells
+    assert notebook.shown_text(cells[0].metadata.user_expressions[0]["result"]) == "7"
+
+    nb.cells[2].source = "Holds {eval}`glued.nothing` TB."
+    nbformat.write(nb, path)
+    with pytest.raises(ValueError, match=r"markdown cell 2: \{eval\} failed: glued.nothing -> AttributeError"):
+        notebook.execute_notebook(path)
+
+
+def test_eval_expressions_finds_each_role_once_and_shown_text_strips_string_quotes():
+    text = 'a {eval}`f"{glued.x:.1f}"` b {eval}``glued["y"]`` c {eval}`f"{glued.x:.1f}"` `{eval}` d'
+    assert notebook.eval_expressions(text) == ['f"{glued.x:.1f}"', 'glued["y"]']
+    assert notebook.shown_text({"status": "ok", "data": {"text/plain": '"it\'s"'}}) == "it's"
+    assert notebook.shown_text({"status": "ok", "data": {"text/plain": "1e-07"}}) == "1e-07"
+    with pytest.raises(ValueError, match="no text/plain"):
+        notebook.shown_text({"status": "error", "ename": "NameError"})
 
 
 def test_setup_applies_the_one_style_file():

@@ -1,7 +1,16 @@
-"""Helpers for the chapters: reproducible set-up, showing the package's own source, tables, units.
+"""Helpers for the chapters: reproducible set-up, showing the package's own source, tables, units, numbers in prose.
 
 A chapter shows the code it teaches with :func:`show_source`, which renders the package's source as it
 is, so the book can never drift from the code it runs.
+
+Numbers in prose are computed by the cells, never typed. A code cell calls :func:`glue` (myst-nb's, so nbval
+compares the value) and the markdown holds an ``{eval}`` role whose expression formats the value, such as
+``f"{glued.gpt3_states_tb:.1f}"``. JupyterLab (jupyterlab-myst) and the site (book/_ext/eval_expressions.py)
+both render it from the result that :func:`execute_notebook` stores in the markdown cell's
+``user_expressions`` metadata, evaluated in the kernel after the code cells above it ran.
+
+Source: jupyterlab-myst's inline expressions, https://github.com/jupyter-book/jupyterlab-myst (2.7.0);
+IPython's ``user_expressions`` in the execute request, https://jupyter-client.readthedocs.io/en/stable/messaging.html
 """
 
 from __future__ import annotations
@@ -9,8 +18,12 @@ from __future__ import annotations
 import inspect
 import os
 import random
+import re
 import textwrap
 import warnings
+
+#: An inline ``{eval}`` role in MyST markdown; group 2 is the expression (any run of backticks delimits it).
+EVAL_ROLE = re.compile(r"\{eval\}(`+)(.+?)\1", re.S)
 
 
 def setup(seed: int = 0, threads: int = 2) -> None:
@@ -89,9 +102,89 @@ def human_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+class Glued:
+    """The values :func:`glue` has recorded in this kernel: ``glued.name`` or ``glued["name"]``."""
+
+    def __getitem__(self, name: str):
+        return getattr(self, name)
+
+    def __repr__(self) -> str:
+        return f"Glued({', '.join(sorted(vars(self)))})"
+
+
+glued = Glued()
+
+
+def glue(name: str, variable, display: bool = True):
+    """``myst_nb.glue`` (its output is what nbval compares) that also keeps the value for ``{eval}`` in prose."""
+    from myst_nb import glue as myst_glue
+
+    setattr(glued, name, variable)
+    return myst_glue(name, variable, display=display)
+
+
+def eval_expressions(markdown: str) -> list[str]:
+    """The expressions of the ``{eval}`` roles in a markdown cell's source, in order, without repeats."""
+    return list(dict.fromkeys(match.group(2) for match in EVAL_ROLE.finditer(markdown)))
+
+
+def shown_text(result: dict) -> str:
+    """What JupyterLab and the site show for one stored result: its text/plain, a string without its quotes."""
+    if result.get("status") != "ok" or "text/plain" not in result.get("data", {}):
+        raise ValueError(f"no text/plain result to show: {result}")
+    return re.sub(r"^([\"'])(.*)\1$", r"\2", result["data"]["text/plain"], flags=re.S)
+
+
+def _expression_client():
+    """A NotebookClient that, reaching a markdown cell, stores its ``{eval}`` results in its metadata.
+
+    A cell that refers to a value glued further down (prose announcing a result) is evaluated again after
+    the last cell; an expression that fails even then raises ValueError.
+    """
+    from nbclient import NotebookClient
+
+    class ExpressionClient(NotebookClient):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.deferred: list[int] = []
+
+        async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
+            if cell.cell_type == "markdown":
+                await self.store_expressions(cell, cell_index, last_try=False)
+            else:
+                cell = await super().async_execute_cell(cell, cell_index, execution_count, store_history)
+            if cell_index == len(self.nb.cells) - 1:
+                for index in self.deferred:
+                    await self.store_expressions(self.nb.cells[index], index, last_try=True)
+            return cell
+
+        async def store_expressions(self, cell, cell_index: int, last_try: bool) -> None:
+            cell.metadata.pop("user_expressions", None)
+            expressions = eval_expressions(cell.source)
+            if not expressions:
+                return
+            request = {str(i): expression for i, expression in enumerate(expressions)}
+            msg_id = self.kc.execute("", silent=True, store_history=False, user_expressions=request)
+            results = (await self.async_wait_for_reply(msg_id, cell))["content"]["user_expressions"]
+            stored = [{"expression": request[key], "result": results[key]} for key in request]
+            failed = [f"{e['expression']} -> {e['result'].get('ename')}: {e['result'].get('evalue')}"
+                      for e in stored if e["result"]["status"] != "ok"]  # fmt: skip
+            if failed and not last_try:
+                self.deferred.append(cell_index)
+            elif failed:
+                raise ValueError(f"markdown cell {cell_index}: {{eval}} failed: " + "; ".join(failed))
+            else:
+                cell.metadata["user_expressions"] = stored
+
+    return ExpressionClient
+
+
 def execute_notebook(path, *, timeout: int = 600, write: bool = True) -> float:
     """Run a chapter top to bottom in a fresh kernel (widget state kept for the book); return seconds.
 
+    Each markdown cell's ``{eval}`` expressions are evaluated in the kernel when execution reaches the cell
+    (or after the last cell, for a value glued further down) and stored as its ``user_expressions``
+    (jupyterlab-myst's format); one that fails raises ValueError.
     With ``write`` the executed notebook, outputs included, replaces the file: chapters are committed
     with their outputs so the book renders them and nbval can compare against them.
     """
@@ -99,12 +192,14 @@ def execute_notebook(path, *, timeout: int = 600, write: bool = True) -> float:
     from pathlib import Path
 
     import nbformat
-    from nbclient import NotebookClient
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(
-        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
+    client = _expression_client()(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
         store_widget_state=True,
     )
     start = time.perf_counter()

@@ -1,0 +1,256 @@
+"""The chapters in JupyterLab, as a learner opens them with `make lab`: a real server, a real browser.
+
+`jupyter lab` starts headless on a free port of 127.0.0.1 (a token; --allow-root when root, as `make lab`
+does). Headless Chromium, driven over the DevTools protocol (tests/test_browser.py's client; every request
+to another host is failed), opens converted chapters. Once jupyterlab-myst has rendered them, each markdown
+cell's rendered text must hold the number every ``{eval}`` shows (the result stored in the cell, computed by
+the cells) and none of the raw MyST that JupyterLab's own renderer would leave: ``{glue``, ``{eval``,
+``{footcite``, ``:::{admonition``. A screenshot of each chapter, at its first number, goes to the test's tmp
+folder. Then one chapter's code cells run through the server as the front end runs them (a REST session,
+then execute requests on the kernel's websocket), without an error, and its markdown cells' expressions
+evaluated by that live kernel show what the notebook stores.
+
+Needs /usr/bin/chromium; skipped with a reason when it is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from test_browser import CHROMIUM, Chromium
+
+from scalebook.notebook import eval_expressions, shown_text
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parent.parent
+JUPYTER = Path(sys.executable).with_name("jupyter")
+# Converted chapters (numbers as {eval}); the lead adds 07 once it is converted.
+CHAPTERS = ["02_tokenization", "09_collective_communication", "11_zero_and_fsdp"]
+RUN_CHAPTER = "02_tokenization"  # the quickest of them to run (about 10 s)
+RAW_MYST = ("{glue", "{eval", "{footcite", ":::{admonition")
+# JupyterLab settings for the test only: render every cell (the default windowing renders only those on
+# screen, so the others would have no text to check) and do not ask about news.
+SETTINGS = {
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Lab:
+    """`jupyter lab` on the repository, headless, with its own settings and a random token."""
+
+    def __init__(self, workdir: Path):
+        for name, value in SETTINGS.items():
+            (workdir / "settings" / name).parent.mkdir(parents=True, exist_ok=True)
+            (workdir / "settings" / name).write_text(json.dumps(value))
+        self.token = secrets.token_hex(16)
+        self.url = f"http://127.0.0.1:{free_port()}"
+        env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(workdir / "settings"),
+               "JUPYTERLAB_WORKSPACES_DIR": str(workdir / "workspaces"), "HF_HUB_OFFLINE": "1"}  # fmt: skip
+        root = ["--allow-root"] if os.geteuid() == 0 else []
+        args = [str(JUPYTER), "lab", "--no-browser", *root, f"--ServerApp.root_dir={REPO}",
+                "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.url.rsplit(':', 1)[1]}",
+                f"--IdentityProvider.token={self.token}", "--ServerApp.port_retries=0"]  # fmt: skip
+        self.log_path = workdir / "lab.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.api("GET", "/api/status")
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    log = self.log_path.read_text(errors="replace")
+                    raise RuntimeError(f"jupyter lab did not start:\n{log}") from None
+                time.sleep(0.2)
+
+    def api(self, method: str, path: str, body: dict | None = None):
+        request = urllib.request.Request(self.url + path, method=method, headers={
+            "Authorization": f"token {self.token}", "Content-Type": "application/json"},
+            data=None if body is None else json.dumps(body).encode())  # fmt: skip
+        with urllib.request.urlopen(request, timeout=30) as response:
+            text = response.read()
+        return json.loads(text) if text else None
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    server = Lab(tmp_path_factory.mktemp("lab"))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    if not Path(CHROMIUM).is_file():
+        pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium); .ci/run installs it")
+    chromium = Chromium(tmp_path_factory.mktemp("chromium"))
+    yield chromium
+    chromium.close()
+
+
+def read_cells(name: str) -> list[dict]:
+    return json.loads((REPO / "notebooks" / f"{name}.ipynb").read_text(encoding="utf8"))["cells"]
+
+
+# The text jupyterlab-myst rendered for each markdown cell, in notebook order (null: not rendered yet).
+# textContent, not innerText: the answers folded in dropdowns count too.
+JS_RENDERED = """Array.from(document.querySelectorAll('.jp-Notebook .jp-Cell')).map(cell =>
+  cell.classList.contains('jp-MarkdownCell') ? (cell.querySelector('.lm-Widget.myst') || {}).textContent ?? null
+                                             : '')"""
+
+
+def rendering_problems(cells: list[dict], rendered: list) -> list[str]:
+    """What a chapter's rendered markdown lacks or shows raw, in words; empty when it reads as on the site."""
+    if len(rendered) != len(cells):
+        return [f"{len(rendered)} cells on the page, {len(cells)} in the notebook"]
+    found = []
+    for i, (cell, text) in enumerate(zip(cells, rendered, strict=True)):
+        if cell["cell_type"] != "markdown":
+            continue
+        if not text:
+            found.append(f"cell {i}: not rendered")
+            continue
+        stored = {e["expression"]: e["result"] for e in cell["metadata"].get("user_expressions", [])}
+        for expression in eval_expressions("".join(cell["source"])):
+            if expression not in stored or shown_text(stored[expression]) not in text:
+                found.append(f"cell {i}: {expression} is not shown")
+        found += [f"cell {i}: raw {raw!r}" for raw in RAW_MYST if raw in text]
+    return found
+
+
+def test_chapters_render_their_numbers_answers_and_citations(lab, browser, tmp_path):
+    for name in CHAPTERS:
+        cells = read_cells(name)
+        n_numbers = sum(len(c["metadata"].get("user_expressions", [])) for c in cells)
+        assert n_numbers > 10, f"{name} has {n_numbers} numbers in prose: is it converted to {{eval}}?"
+        browser.open(f"{lab.url}/lab/tree/notebooks/{name}.ipynb?token={lab.token}&reset", timeout=60)
+        ready = f"(() => {{ const r = {JS_RENDERED}; return r.length === {len(cells)} && !r.includes(null); }})()"
+        browser.wait_for(ready, timeout=60)
+        browser.pump(1.0)  # the inline expressions render after their cell
+        problems = rendering_problems(cells, browser.evaluate(JS_RENDERED))
+        first = next(i for i, c in enumerate(cells) if c["metadata"].get("user_expressions"))
+        browser.evaluate(f"document.querySelectorAll('.jp-Notebook .jp-Cell')[{first}].scrollIntoView(); true")
+        browser.pump(0.5)
+        browser.screenshot(tmp_path / f"lab-{name}.png")
+        assert problems == [], f"{name} in JupyterLab (screenshot {tmp_path / f'lab-{name}.png'})"
+        assert not browser.blocked, f"{name}: JupyterLab asked another host for {browser.blocked}"
+    if os.environ.get("LAB_SHOTS"):  # copy the screenshots for review
+        for png in tmp_path.glob("lab-*.png"):
+            shutil.copy(png, Path(os.environ["LAB_SHOTS"]) / png.name)
+
+
+def test_the_rendering_check_names_what_is_missing_or_raw():
+    number = {"expression": "glued.x", "result": {"status": "ok", "data": {"text/plain": "42"}, "metadata": {}}}
+    cells = [
+        {"cell_type": "markdown", "source": "It is {eval}`glued.x`.", "metadata": {"user_expressions": [number]}},
+        {"cell_type": "code", "source": "", "metadata": {}},
+    ]
+    assert rendering_problems(cells, ["It is 42.", ""]) == []
+    assert rendering_problems(cells, ["It is glued.x.", ""]) == ["cell 0: glued.x is not shown"]
+    assert rendering_problems(cells, ["It is 42 {footcite}`a`.", ""]) == ["cell 0: raw '{footcite'"]
+    assert rendering_problems(cells, [None, ""]) == ["cell 0: not rendered"]
+
+
+class Kernel:
+    """A kernel of the lab, reached as the front end reaches it: the session API, then its websocket."""
+
+    def __init__(self, lab: Lab, notebook: str):
+        import websocket  # websocket-client
+
+        self.lab = lab
+        body = {"path": notebook, "type": "notebook", "name": Path(notebook).name, "kernel": {"name": "python3"}}
+        self.session = lab.api("POST", "/api/sessions", body)
+        self.client_id = uuid.uuid4().hex
+        ws_url = lab.url.replace("http", "ws", 1)
+        self.ws = websocket.create_connection(
+            f"{ws_url}/api/kernels/{self.session['kernel']['id']}/channels?session_id={self.client_id}",
+            header=[f"Authorization: token {lab.token}"], timeout=300, suppress_origin=True)  # fmt: skip
+
+    def execute(self, code: str, user_expressions: dict | None = None) -> tuple[dict, list[dict]]:
+        """Run ``code``; the execute_reply's content and the iopub messages (errors, stderr) it caused."""
+        msg_id = uuid.uuid4().hex
+        self.ws.send(json.dumps({
+            "header": {"msg_id": msg_id, "msg_type": "execute_request", "session": self.client_id,
+                       "username": "test", "version": "5.3", "date": ""},
+            "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
+            "content": {"code": code, "silent": False, "store_history": True, "allow_stdin": False,
+                        "user_expressions": user_expressions or {}, "stop_on_error": True}}))  # fmt: skip
+        reply, messages = None, []
+        while reply is None or not any(m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+                                       for m in messages):  # fmt: skip
+            msg = json.loads(self.ws.recv())
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            if msg["channel"] == "shell":
+                reply = msg["content"]
+            else:
+                messages.append({"msg_type": msg["msg_type"], "content": msg["content"]})
+        return reply, messages
+
+    def close(self):
+        self.ws.close()
+        self.lab.api("DELETE", f"/api/sessions/{self.session['id']}")
+
+
+def timing_names(cells: list[dict]) -> set[str]:
+    """Values glued by cells whose output nbval ignores (timings): a live kernel measures them anew."""
+    ignored = [c for c in cells if "nbval-ignore-output" in c["metadata"].get("tags", [])]
+    return {out["metadata"]["scrapbook"]["name"] for c in ignored for out in c.get("outputs", [])
+            if "scrapbook" in out.get("metadata", {})}  # fmt: skip
+
+
+def test_a_chapter_runs_through_the_server_and_its_kernel_recomputes_the_numbers(lab):
+    cells = read_cells(RUN_CHAPTER)
+    timings = timing_names(cells)
+    assert timings, "the check below compares every number but the timings: name them"
+    kernel = Kernel(lab, f"notebooks/{RUN_CHAPTER}.ipynb")
+    try:
+        for i, cell in enumerate(cells):
+            source = "".join(cell["source"])
+            if cell["cell_type"] == "code":
+                reply, messages = kernel.execute(source)
+                errors = [m["content"] for m in messages if m["msg_type"] == "error"]
+                stderr = [m["content"]["text"] for m in messages
+                          if m["msg_type"] == "stream" and m["content"]["name"] == "stderr"]  # fmt: skip
+                assert reply["status"] == "ok" and not errors and not stderr, f"cell {i}: {reply} {errors} {stderr}"
+            elif expressions := eval_expressions(source):
+                # What jupyterlab-myst sends when the reader runs a markdown cell.
+                reply, _ = kernel.execute("", {str(k): e for k, e in enumerate(expressions)})
+                stored = {e["expression"]: shown_text(e["result"]) for e in cell["metadata"]["user_expressions"]}
+                live = {e: shown_text(reply["user_expressions"][str(k)]) for k, e in enumerate(expressions)}
+                same = [e for e in expressions if not any(f"glued.{name}" in e for name in timings)]
+                assert {e: live[e] for e in same} == {e: stored[e] for e in same}, f"cell {i}"
+    finally:
+        kernel.close()
