@@ -6,7 +6,8 @@ chapters check these numbers against.
 
     params   param_count, param_breakdown, param_count_closed_form, active_param_count (MoE),
              layer_weights, mtp_param_count
-    memory   model_state_bytes (ZeRO, mixed precision), activation_bytes (Korthikanti et al., GPT and Llama layers)
+    memory   model_state_bytes (ZeRO, mixed precision), activation_bytes (Korthikanti et al., GPT and Llama layers),
+             kv_cache_bytes (inference)
     flops    flops_per_token, training_flops (6 N D), training_flops_with_attention (Narayanan et al.)
     time     mfu, training_days, devices_needed
     comm     bytes_sent_per_rank, alpha_beta_time, data_parallel_bytes_per_step,
@@ -32,6 +33,7 @@ from scalebook.accounting.memory import (
     ZERO_STAGES,
     ModelStateBytes,
     activation_bytes,
+    kv_cache_bytes,
     model_state_bytes,
 )
 from scalebook.accounting.params import (
@@ -60,6 +62,7 @@ __all__ = [
     "data_parallel_bytes_per_step",
     "devices_needed",
     "flops_per_token",
+    "kv_cache_bytes",
     "layer_weights",
     "mfu",
     "model_state_bytes",

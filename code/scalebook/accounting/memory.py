@@ -41,10 +41,24 @@ keeps K and V repeated to all a heads (d_kv -> h); fused attention (FlashAttenti
 recomputation keep K and V at d_kv and no scores. A GPT layer (d_kv = h, d_ff = 4h) gives 32 s b h, and
 dropout adds its two 1-byte s b h masks: 34. Llama 3 8B's layer (d_kv = h/4, d_ff = 3.5h) is 41 s b h.
 
+Measured on this package's Llama layer (:mod:`scalebook.llama`, fp32, SDPA), the formula's fused-attention
+count holds exactly up to three named extras: attention's log-sum-exp (a s b numbers), each norm's per-token
+statistic, and, because an RMSNorm written out in PyTorch (Hugging Face's and Meta's) is not one fused kernel,
+each norm's normalized tensor before its weight: 2 s b h more per layer. A fused norm (Apex, Transformer
+Engine, ``torch.compile``) keeps only its input, as the formula assumes.
+
+At inference nothing is saved for backward, but decoding keeps every layer's keys and values of every
+position so far, the KV cache:
+
+    kv_cache_bytes = 2 L n_kv d_head s b x bytes per element      (K and V, L layers, n_kv heads)
+
+n_kv = a is multi-head attention, n_kv < a grouped-query attention (Llama 3: 8), n_kv = 1 multi-query.
+
 Source: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models", Sec. 3 and Fig. 1; Tazi et al. 2025, "The Ultra-Scale Playbook", "Memory usage in
 Transformers"; Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models";
-Dao et al. 2022, "FlashAttention" (what a fused kernel keeps); Megatron-LM
+Dao et al. 2022, "FlashAttention" (what a fused kernel keeps); Ainslie et al. 2023, "GQA"; Pope et al.
+2022, "Efficiently Scaling Transformer Inference" (the KV cache); Megatron-LM
 ``megatron/core/transformer/dot_product_attention.py`` (K and V repeated per query group).
 """
 
@@ -194,3 +208,22 @@ def activation_bytes(
     bytes_per_score = dtype_bytes + mask * (1 + dtype_bytes)
     scores = (a // t) * s * s * b * bytes_per_score if scores_kept else 0
     return cfg.n_layers * (replicated + split + scores)
+
+
+def kv_cache_bytes(
+    cfg: ModelConfig, *, seq_len: int, batch: int = 1, dtype_bytes: int = 2, n_kv_heads: int | None = None
+) -> int:
+    """Bytes of the KV cache for ``batch`` sequences of ``seq_len`` positions: 2 L n_kv d_head s b x bytes.
+
+    ``n_kv_heads`` overrides the config's key/value heads: ``cfg.n_heads`` gives the multi-head (MHA) cache
+    of the same model, 1 the multi-query (MQA) one. ``dtype_bytes``: 2 for bf16, 1 for fp8.
+    """
+    _checks.require(_checks.model_config(cfg))
+    n_kv = cfg.n_kv_heads if n_kv_heads is None else n_kv_heads
+    _checks.require(
+        _checks.positive_int(seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, n_kv_heads=n_kv),
+        [] if isinstance(n_kv, bool) or not isinstance(n_kv, int) or n_kv < 1 or cfg.n_heads % n_kv == 0 else [
+            f"n_kv_heads ({n_kv}) must divide n_heads ({cfg.n_heads}) of {cfg.name}: every key/value head "
+            "serves the same number of query heads"],
+    )  # fmt: skip
+    return 2 * cfg.n_layers * n_kv * cfg.d_head * seq_len * batch * dtype_bytes
