@@ -86,9 +86,9 @@ def test_bf16_inputs_keep_float32_statistics():
 @pytest.mark.parametrize("block", [1, 3, 16, 100])
 def test_online_softmax_stats_give_softmax_and_logsumexp(block):
     x = torch.randn(4, 50, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 20  # large scores
-    m, l = online_softmax_stats(x, block)  # noqa: E741
-    torch.testing.assert_close(torch.exp(x - m[:, None]) / l[:, None], torch.softmax(x, dim=-1), rtol=1e-14, atol=0)
-    torch.testing.assert_close(m + torch.log(l), torch.logsumexp(x, dim=-1), rtol=1e-14, atol=0)
+    m, ell = online_softmax_stats(x, block)
+    torch.testing.assert_close(torch.exp(x - m[:, None]) / ell[:, None], torch.softmax(x, dim=-1), rtol=1e-14, atol=0)
+    torch.testing.assert_close(m + torch.log(ell), torch.logsumexp(x, dim=-1), rtol=1e-14, atol=0)
 
 
 @pytest.mark.parametrize("s", [64, 128, 256])

@@ -52,13 +52,13 @@ def online_softmax_stats(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     """
     _check_block("block", block)
     m = torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device)
-    l = torch.zeros(x.shape[:-1], dtype=x.dtype, device=x.device)  # noqa: E741 (the paper's letter)
+    ell = torch.zeros(x.shape[:-1], dtype=x.dtype, device=x.device)
     for start in range(0, x.shape[-1], block):
         chunk = x[..., start : start + block]
         m_new = torch.maximum(m, chunk.amax(dim=-1))
-        l = l * torch.exp(m - m_new) + torch.exp(chunk - m_new[..., None]).sum(dim=-1)  # noqa: E741
+        ell = ell * torch.exp(m - m_new) + torch.exp(chunk - m_new[..., None]).sum(dim=-1)
         m = m_new
-    return m, l
+    return m, ell
 
 
 @dataclass
@@ -142,7 +142,7 @@ def flash_attention_forward(
     for qs in _blocks(n_q, block_q):
         q_tile = q[..., qs, :].to(acc_dtype)
         m = torch.full((*lead, q_tile.shape[-2]), float("-inf"), dtype=acc_dtype, device=q.device)
-        l = torch.zeros_like(m)  # noqa: E741
+        ell = torch.zeros_like(m)
         acc = torch.zeros((*lead, q_tile.shape[-2], v.shape[-1]), dtype=acc_dtype, device=q.device)
         for ks in _blocks(k.shape[-2], block_k):
             straddles = _causal_tile(qs, ks, causal)
@@ -153,13 +153,13 @@ def flash_attention_forward(
             m_new = torch.maximum(m, s.amax(dim=-1))  # finite: a row's first tile holds key 0
             rescale = torch.exp(m - m_new)
             p = torch.exp(s - m_new[..., None])
-            l = l * rescale + p.sum(dim=-1)  # noqa: E741
+            ell = ell * rescale + p.sum(dim=-1)
             acc = acc * rescale[..., None] + p @ v_tile
             m = m_new
             if traffic is not None:
                 traffic.read += k[..., ks, :].nbytes + v[..., ks, :].nbytes
-        o[..., qs, :] = (acc / l[..., None]).to(q.dtype)
-        lse[..., qs] = m + torch.log(l)
+        o[..., qs, :] = (acc / ell[..., None]).to(q.dtype)
+        lse[..., qs] = m + torch.log(ell)
         if traffic is not None:
             traffic.read += q[..., qs, :].nbytes
             traffic.written += o[..., qs, :].nbytes + lse[..., qs].nbytes
