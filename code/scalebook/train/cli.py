@@ -370,31 +370,41 @@ def run(args: argparse.Namespace, plan: Plan | None = None) -> list:
 def _train(
     args, model, next_batch, generator: torch.Generator, cfg, start: int, losses: list[float], log: _Log
 ) -> list:
-    """The loop of :func:`run`: steps, logging, checkpoints, the non-finite steps' verdicts."""
+    """The loop of :func:`run`: steps, logging, checkpoints, the non-finite steps' verdicts, and a stop on SIGTERM or
+    SIGUSR1 (:mod:`scalebook.train.preemption`): save, then raise its :class:`~scalebook.train.preemption.Stopped`."""
     from scalebook.train.loop import training_steps
+    from scalebook.train.preemption import Stopped, StopSignals
 
     rank, world_size = (model.mesh.rank, model.dims.world_size) if model.mesh else (0, 1)
     records, skipped, last_good = [], 0, start or None
     _fail_if_asked(args, start, rank, world_size)
     model.model.train()
-    for record in training_steps(model, next_batch, cfg, start=start):
-        records.append(record)
-        losses.append(record.loss)
-        log(record, model)
-        if record.skipped:
-            skipped += 1
-            what = f"step {record.step}: loss {record.loss}, gradient norm {record.grad_norm}, not finite"
-            if skipped > args.skip_nonfinite:
-                raise _diverged(args, what, last_good)
-            if rank == 0:
-                print(f"{what}: its update skipped ({skipped} of --skip-nonfinite {args.skip_nonfinite})",
-                      file=sys.stderr, flush=True)  # fmt: skip
-        if args.checkpoint_dir and (record.step % args.checkpoint_every == 0 or record.step == args.steps):
-            if not _finite_weights(model):
-                raise _diverged(args, f"step {record.step}: the weights are not finite (not saved)", last_good)
-            _save(args, model, record.step, generator, losses)
-            last_good = record.step
-        _fail_if_asked(args, record.step, rank, world_size)
+    with StopSignals(model.device) as stop:  # SIGTERM / SIGUSR1: finish the step, save, exit
+        for record in training_steps(model, next_batch, cfg, start=start):
+            records.append(record)
+            losses.append(record.loss)
+            log(record, model)
+            if record.skipped:
+                skipped += 1
+                what = f"step {record.step}: loss {record.loss}, gradient norm {record.grad_norm}, not finite"
+                if skipped > args.skip_nonfinite:
+                    raise _diverged(args, what, last_good)
+                if rank == 0:
+                    print(f"{what}: its update skipped ({skipped} of --skip-nonfinite {args.skip_nonfinite})",
+                          file=sys.stderr, flush=True)  # fmt: skip
+            stop_signal = stop.agreed()  # one all-reduce: every rank stops after the same step (see preemption)
+            due = record.step % args.checkpoint_every == 0 or record.step == args.steps or stop_signal
+            if args.checkpoint_dir and due:
+                if not _finite_weights(model):
+                    raise _diverged(args, f"step {record.step}: the weights are not finite (not saved)", last_good)
+                _save(args, model, record.step, generator, losses)
+                last_good = record.step
+            _fail_if_asked(args, record.step, rank, world_size)
+            if stop_signal and record.step < args.steps:
+                stopped = Stopped(stop_signal, record.step, args.checkpoint_dir)
+                if rank == 0:
+                    print(stopped, file=sys.stderr, flush=True)
+                raise stopped
     return records
 
 
