@@ -15,7 +15,7 @@ one int64 per step costs microseconds (one latency, a few bytes) beside the step
 every k steps would save little and delay the stop by up to k - 1 steps of the grace period.
 
 The loop then saves (``python -m scalebook.train`` calls its usual checkpoint function, and waits for it) and
-raises :class:`Stopped`, a :class:`SystemExit` with code :data:`EXIT_STOPPED`: the process ends with that status
+raises :class:`Stopped`, a ``SystemExit`` with code ``EXIT_STOPPED``: the process ends with that status
 and no traceback, after the ``finally`` clauses that leave the process group. The status means "stopped
 early, not failed": ``--resume`` continues from the checkpoint, with the losses the run would have had.
 
@@ -43,7 +43,7 @@ EXIT_STOPPED = 3  # 0 done, 1 failed or diverged, 2 invalid arguments (see ``pyt
 
 class Stopped(SystemExit):
     """The run stopped at ``step`` on ``signal_name``, saved in ``checkpoint_dir`` (None: not saved); a SystemExit
-    with :data:`EXIT_STOPPED`. Its text is the line rank 0 prints."""
+    with ``EXIT_STOPPED``. Its text is the line rank 0 prints."""
 
     def __init__(self, signal_name: str, step: int, checkpoint_dir: str | None):
         super().__init__(EXIT_STOPPED)
@@ -58,7 +58,7 @@ class Stopped(SystemExit):
 
 
 class StopSignals:
-    """While active (``with StopSignals(device) as stop:``), :data:`STOP_SIGNALS` set a flag instead of ending the
+    """While active (``with StopSignals(device) as stop:``), ``STOP_SIGNALS`` set a flag instead of ending the
     process; :meth:`agreed` tells every rank, at the same step, whether any of them received one. The previous
     handlers come back on exit. Off the main thread (where Python allows no handler) it installs nothing."""
 
