@@ -41,7 +41,7 @@ import numpy as np
 from scalebook.data import BYTES_TOKENIZER_ID, check_text, corpus_files
 from scalebook.data.shards import FORMAT, INDEX_NAME, SHARD_SUFFIX, VERSION, check_dtype, dtype_for, sha256_of
 
-CHUNK_BYTES = 1 << 22  # 4 MiB of text per piece a worker encodes
+CHUNK_BYTES = 1 << 20  # 1 MiB of text per piece a worker encodes (HF keeps ~200 bytes per token while encoding)
 SHARD_TOKENS = 100_000_000  # tokens per shard file, as nanoGPT's FineWeb shards
 DATASET_ROWS = 256  # dataset rows per piece
 # The files of a Hugging Face tokenizer folder that define it: their SHA-256 is the tokenizer's identity.

@@ -102,9 +102,9 @@ class TokenShards:
     """One split of a prepared corpus as a single 1-D token stream, memory-mapped: opening it reads only the index.
 
     ``len(shards)`` is the split's token count; :meth:`read` returns tokens ``start .. stop - 1`` (crossing shard
-    boundaries) and :meth:`windows` the rows of a batch, as ``torch.long``. Opening checks that every shard
-    exists and has exactly the size the index gives (a truncated shard is refused); ``verify=True`` also
-    checks each shard's SHA-256 (reads every byte).
+    boundaries) and :meth:`windows` the rows of a batch, as ``torch.long``; ``tokens_read`` counts what was read.
+    Opening checks that every shard exists and has exactly the size the index gives (a truncated shard is
+    refused); ``verify=True`` also checks each shard's SHA-256 (reads every byte).
     """
 
     def __init__(self, root: str | os.PathLike, split: str = "train", *, verify: bool = False):
@@ -124,6 +124,7 @@ class TokenShards:
             self._begins.append(total)
             total += shard["tokens"]
         self._len = total
+        self.tokens_read = 0
 
     def _check_shard(self, shard: dict, verify: bool) -> None:
         path = self.root / shard["file"]
@@ -147,6 +148,7 @@ class TokenShards:
         """Tokens ``start .. stop - 1`` of the split (in the shards' dtype); only their pages are read from disk."""
         if not 0 <= start <= stop <= self._len:
             raise IndexError(f"tokens {start}..{stop} are outside the split's 0..{self._len}")
+        self.tokens_read += stop - start
         parts = []
         shard = bisect.bisect_right(self._begins, start) - 1
         while start < stop:
