@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from scalebook.accounting import _checks, roofline
+
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes held by the storages behind ``tensors``; each storage counts once.
@@ -349,16 +351,10 @@ def count_flops(model: torch.nn.Module, inputs, *, loss_fn: Callable | None = No
     return FlopCount(forward=forward, backward=backward, by_operator=MappingProxyType(by_operator))
 
 
-def _require_positive_ints(**values) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
 def best_time(fn: Callable[[], object], *, repeats: int = 5) -> float:
     """Seconds of the fastest of ``repeats`` calls of ``fn()``, after one warm-up call (thread pool
     start-up, first-touch page faults). The minimum is the run least disturbed by other work."""
-    _require_positive_ints(repeats=repeats)
+    _checks.require(_checks.positive_int(repeats=repeats))
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -374,7 +370,7 @@ def peak_matmul_flops(size: int = 2048, *, repeats: int = 5, dtype: torch.dtype 
     Large square products are the best case for the math library, so this is the most the machine
     sustains in practice, the denominator of MFU on a CPU (whose datasheets quote no dense FLOP/s).
     """
-    _require_positive_ints(size=size, repeats=repeats)
+    _checks.require(_checks.positive_int(size=size, repeats=repeats))
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
     out = torch.empty(size, size, dtype=dtype)
@@ -388,7 +384,7 @@ def copy_bandwidth(megabytes: int = 256, *, repeats: int = 5) -> float:
     bandwidth a program gets from memory. The tensor should be far larger than the caches (tens of MB),
     or the cache's bandwidth is measured instead.
     """
-    _require_positive_ints(megabytes=megabytes, repeats=repeats)
+    _checks.require(_checks.positive_int(megabytes=megabytes, repeats=repeats))
     src = torch.ones(megabytes * 10**6 // 4)
     dst = torch.empty_like(src)
     return 2 * src.nbytes / best_time(lambda: dst.copy_(src), repeats=repeats)
@@ -413,9 +409,7 @@ def gpt_layer_op_calls(
     batch: int, seq_len: int, d_model: int, n_heads: int, *, dtype: torch.dtype = torch.float32
 ) -> dict[str, OpCall]:
     """The operators of ``accounting.roofline.gpt_layer_ops`` on random tensors of their shapes, by name."""
-    _require_positive_ints(batch=batch, seq_len=seq_len, d_model=d_model, n_heads=n_heads)
-    if d_model % n_heads:
-        raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+    roofline.gpt_layer_ops(batch, seq_len, d_model, n_heads)  # validates the shape, with the formula's messages
     b, s, h, a = batch, seq_len, d_model, n_heads
     g = torch.Generator().manual_seed(0)
 
@@ -452,8 +446,6 @@ def roofline_points(
     batch: int, seq_len: int, d_model: int, n_heads: int, *, repeats: int = 5, dtype: torch.dtype = torch.float32
 ) -> list[RooflinePoint]:
     """Time each operator of a GPT layer (best of ``repeats``) and divide its formula FLOPs by the time."""
-    from scalebook.accounting import roofline
-
     calls = gpt_layer_op_calls(batch, seq_len, d_model, n_heads, dtype=dtype)
     p = torch.empty((), dtype=dtype).element_size()
     points = []
