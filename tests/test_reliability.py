@@ -5,7 +5,8 @@ reproduced, and what `python -m scalebook.train` does now.
 2. a diverged run (NaN loss) stops naming the last good checkpoint, which stays `latest`;
 4. the default --global-batch fits any number of ranks, and an error is printed once, by rank 0, exit code 2;
 5. unwritable paths, missing or too little data fail before step 1;
-6. a resume that cannot continue names each differing setting (or the layout) instead of a KeyError;
+6. a resume that cannot continue names each differing setting instead of a KeyError, and one in another
+   layout continues the run (the checkpoint is resharded: tests/test_reshard.py across ranks);
 7. --cp runs as --help says.
 
 (Item 3, the data itself, is tests/test_data.py's; item 8, the cluster, tests/test_slurm.py's.)
@@ -69,23 +70,23 @@ CORRUPTIONS = {
 @pytest.mark.parametrize("kind", CORRUPTIONS)
 def test_a_corrupt_checkpoint_file_is_named_and_the_previous_checkpoint_used(kind, saved, tmp_path):
     ckpt = copy_of(saved, tmp_path)
-    bad = checkpoint.step_dir(ckpt, 4) / "rank0.pt"
+    bad = checkpoint.step_dir(ckpt, 4) / "__0_0.distcp"  # DCP's file of rank 0
     size = bad.stat().st_size
     corrupt, message = CORRUPTIONS[kind]
     corrupt(bad)
     assert kind != "flipped" or bad.stat().st_size == size  # the same size: only a checksum can tell
     # Before: torch.load resumed from the flipped bytes (loss 5.20 instead of 3.36), or failed deep inside.
     with pytest.raises(checkpoint.CheckpointError, match=re.escape(f"{bad} {message}")):
-        checkpoint.load_shard(ckpt, 4, 0)
+        checkpoint.verify(ckpt, 4)
     assert checkpoint.newest_intact(ckpt) == (2, [f"{bad} {message}" + ("" if kind == "flipped" else f" {size}")])
 
 
 def test_resume_passes_over_a_corrupt_checkpoint_saying_so_and_repeats_the_steps_bit_for_bit(saved, tmp_path, capsys):
     ckpt = copy_of(saved, tmp_path)
-    flip_4_kib(checkpoint.step_dir(ckpt, 4) / "rank0.pt")
+    flip_4_kib(checkpoint.step_dir(ckpt, 4) / "__0_0.distcp")
     resumed = cli.run(args_of(SMALL, checkpoint_dir=ckpt, resume=True))
     notes = capsys.readouterr().err.strip().splitlines()
-    assert notes == [f"--resume: {checkpoint.step_dir(ckpt, 4)}/rank0.pt is corrupt: its SHA-256 differs from the "
+    assert notes == [f"--resume: {checkpoint.step_dir(ckpt, 4)}/__0_0.distcp is corrupt: its SHA-256 differs from the "
                      "one in manifest.json; resuming from step 2, the newest intact checkpoint"]  # fmt: skip
     assert steps(resumed) == saved[1][2:]  # steps 3 and 4 again, from step 2's state: the same arithmetic
     assert checkpoint.newest_intact(ckpt) == (4, [])  # and step 4 is written afresh
@@ -93,18 +94,18 @@ def test_resume_passes_over_a_corrupt_checkpoint_saying_so_and_repeats_the_steps
 
 def test_consolidating_a_corrupt_checkpoint_names_the_file(saved, tmp_path, capsys):
     ckpt = copy_of(saved, tmp_path)
-    flip_4_kib(checkpoint.step_dir(ckpt, 4) / "rank0.pt")
+    flip_4_kib(checkpoint.step_dir(ckpt, 4) / "__0_0.distcp")
     with pytest.raises(SystemExit) as exit_info:
         checkpoint.main([ckpt, str(tmp_path / "model.pt")])
     assert exit_info.value.code == 2 and not (tmp_path / "model.pt").exists()
-    assert f"{checkpoint.step_dir(ckpt, 4)}/rank0.pt is corrupt" in capsys.readouterr().err
+    assert f"{checkpoint.step_dir(ckpt, 4)}/__0_0.distcp is corrupt" in capsys.readouterr().err
     assert checkpoint.main([ckpt, str(tmp_path / "model.pt"), "--step", "2"]) == 0
 
 
 def test_no_intact_checkpoint_at_all_is_an_error_not_a_fresh_start(saved, tmp_path):
     ckpt = copy_of(saved, tmp_path)
     for step in (2, 4):
-        (checkpoint.step_dir(ckpt, step) / "rank0.pt").write_bytes(b"")
+        (checkpoint.step_dir(ckpt, step) / "__0_0.distcp").write_bytes(b"")
     with pytest.raises(ValueError, match="--resume: no intact checkpoint under .*drop --resume to start from step 0"):
         preflight(args_of(SMALL, checkpoint_dir=ckpt, resume=True), 1)
 
@@ -341,26 +342,32 @@ def test_every_resume_setting_that_differs_is_named_with_both_values(saved, tmp_
         assert any(line.strip().startswith(expected + str(original)) for line in lines), name
 
 
-def test_a_layout_change_works_where_the_state_is_replicated_and_is_refused_where_it_is_not(saved, tmp_path,
-                                                                                           monkeypatch):  # fmt: skip
+def test_a_layout_change_continues_the_run(saved, tmp_path, monkeypatch):
     # The book's DDP and ZeRO-3 on a process group of one rank, at a free port (a launcher's variables).
     for name, value in {"RANK": 0, "WORLD_SIZE": 1, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}.items():
         monkeypatch.setenv(name, str(value))
-    # One process -> the book's DDP (on a group of one rank): the same files, the same steps 3 and 4.
-    ckpt = copy_of(saved, tmp_path)
-    checkpoint.mark_complete(ckpt, 2)
-    resumed = cli.run(args_of([*SMALL, "--strategy", "ddp"], checkpoint_dir=ckpt, resume=True))
-    for got, expected in zip(steps(resumed), saved[1][2:], strict=True):  # one rank: the same sums (1e-6: a wrapper)
-        assert got == pytest.approx(expected, rel=1e-6)
-    # One process -> ZeRO-3 (before: KeyError: 'zero'), and ZeRO-3 -> one process (before: KeyError: 'optimizer').
-    with pytest.raises(ValueError, match=r"laid out as --tp 1 --pp 1 on 1 ranks, which this run \(--strategy zero3 "
-                       r"--dp 1 --tp 1 --pp 1 --cp 1 --ep 1 on 1 ranks\) cannot read"):  # fmt: skip
-        preflight(args_of([*SMALL, "--strategy", "zero3"], checkpoint_dir=saved[0], resume=True), 1)
-    zero3 = str(tmp_path / "zero3")
-    cli.run(args_of([*SMALL, "--strategy", "zero3", "--steps", "2"], checkpoint_dir=zero3))
-    with pytest.raises(ValueError, match=r"laid out as --strategy zero3 --dp 1 --tp 1 --pp 1 --cp 1 --ep 1 on 1 ranks, "
-                       r"which this run \(--tp 1 --pp 1 on 1 ranks\) cannot read"):  # fmt: skip
-        preflight(args_of(SMALL, checkpoint_dir=zero3, resume=True), 1)
+    # One process -> the book's DDP, and -> ZeRO-3 (before: refused, "laid out as --tp 1 --pp 1 on 1 ranks, which
+    # this run cannot read"; before that a KeyError): the same steps 3 and 4.
+    for strategy in ("ddp", "zero3"):
+        (tmp_path / strategy).mkdir()
+        ckpt = copy_of(saved, tmp_path / strategy)
+        checkpoint.mark_complete(ckpt, 2)
+        resumed = cli.run(args_of([*SMALL, "--strategy", strategy], checkpoint_dir=ckpt, resume=True))
+        for got, expected in zip(steps(resumed), saved[1][2:], strict=True):  # one rank: the same sums (1e-6: a
+            assert got == pytest.approx(expected, rel=1e-6), strategy  # wrapper's reductions of one rank)
+
+
+def test_keep_last_deletes_only_older_checkpoints(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cli.run(args_of([*SMALL, "--steps", "6", "--keep-last", "2"], checkpoint_dir=str(ckpt)))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_000004", "step_000006"]
+    # A step folder newer than latest (a save killed before its manifest) and latest itself are never deleted.
+    (ckpt / "step_000008").mkdir()
+    checkpoint.mark_complete(ckpt, 4)
+    assert checkpoint.prune(ckpt, 1) == [] and checkpoint.newest_intact(ckpt) == (4, [])
+    assert checkpoint.prune(ckpt, 0) == []  # 0: keep them all
+    with pytest.raises(ValueError, match="--keep-last must be >= 0"):
+        preflight(args_of(SMALL, keep_last=-1), 1)
 
 
 def test_steps_at_or_below_the_checkpoint_say_so(saved, capsys):

@@ -15,8 +15,9 @@ Each step keeps the GPT's parameter names, so one optimizer is built last, from 
 over whatever parameters this rank holds. The result, a :class:`ParallelModel`, is what the loop of
 :mod:`scalebook.train.loop` drives: ``forward_backward(x, y)`` (the step's micro-batches, the mean loss of the
 global batch on every rank), ``clip_grad_norm_(max_norm)`` (the global norm before clipping, every gradient
-counted once), ``step()``, ``zero_grad()``, ``state_dict()`` / ``load_state_dict()`` (this rank's checkpoint) and
-``full_state_dict()`` (the single-process GPT's, gathered). The loop never learns which strategy runs.
+counted once), ``step()``, ``zero_grad()``, ``state_dict()`` / ``load_state_dict()`` (this rank's part of a
+reshardable checkpoint) and ``full_state_dict()`` (the single-process GPT's, gathered). The loop never learns
+which strategy runs.
 
 Source: picotron ``train.py`` (tp, then pp, then data-parallel wrapper); torchtitan
 ``torchtitan/models/llama3/infra/parallelize.py`` and ``torchtitan/distributed/utils.py`` (``clip_grad_norm_``
@@ -169,22 +170,20 @@ class ParallelModel:
 
     # ----- state -----------------------------------------------------------------------------------
 
-    @property
-    def checkpoint_rank(self) -> int:
-        """The rank whose checkpoint file holds this rank's state: its own, unless the state is the same on
-        every replica (then the first replica's, at this rank's pipeline and tensor coordinates)."""
-        if not self.mesh or self.dims.data_parallel in (*SHARDED_GRADIENTS, "zero1") or self.expert_params:
-            return self.mesh.rank if self.mesh else 0
-        return self.dims.rank_of(pp=self.coords["pp"], tp=self.coords["tp"])
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's model and optimizer state for ``torch.distributed.checkpoint``: the single-process GPT's
+        names, a DTensor wherever the rank holds a chunk of a tensor, so that a checkpoint written in one
+        layout loads in another (see :mod:`scalebook.train.state_dict`)."""
+        from scalebook.train.state_dict import get_state_dict
 
-    def state_dict(self) -> dict:
-        """This rank's model and optimizer state, every tensor local (a DTensor's shard)."""
-        return {"model": _local(self.model.state_dict()), "optimizer": _local(self.optimizer.state_dict())}
+        return get_state_dict(self)
 
-    def load_state_dict(self, state: dict) -> None:
-        """Copy a :meth:`state_dict` of the same layout back into the live model and optimizer."""
-        self.model.load_state_dict(_like(state["model"], self.model.state_dict()))
-        self.optimizer.load_state_dict(_optimizer_state_like_params(state["optimizer"], self.optimizer))
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy a :meth:`state_dict` of this layout (filled by ``torch.distributed.checkpoint.load``) into the
+        live model and optimizer."""
+        from scalebook.train.state_dict import set_state_dict
+
+        set_state_dict(self, state)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process GPT's state dict (every name, the tied head included), gathered from the
@@ -220,33 +219,6 @@ def _local(obj):
     if isinstance(obj, list):
         return [_local(v) for v in obj]
     return obj
-
-
-def _like(saved: dict, live: dict) -> dict:
-    """A saved model state (local tensors) with a DTensor wherever the live one has one (FSDP2)."""
-    return {name: _dtensor_like(tensor, live[name]) for name, tensor in saved.items()}
-
-
-def _dtensor_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``local`` as this rank's shard of a DTensor shaped and placed like ``like``; unchanged if ``like`` is
-    a plain tensor."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(like, DTensor):
-        return local
-    return DTensor.from_local(local.to(like.device), like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())  # fmt: skip
-
-
-def _optimizer_state_like_params(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
-    """A saved ``torch.optim`` state dict (local tensors) with each per-element tensor made like its parameter,
-    which the live optimizer may not have state for yet (before its first step)."""
-    if "state" not in saved:  # the ZeRO-1 wrapper's own format: this rank's shard
-        return saved
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {index: {key: _dtensor_like(value, params[index]) if torch.is_tensor(value) and value.dim() else value
-                     for key, value in values.items()} for index, values in saved["state"].items()}  # fmt: skip
-    return {**saved, "state": state}
 
 
 def _pipeline_loss(model: ParallelModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -1,45 +1,56 @@
-"""Training checkpoints that survive a crash at any moment: written atomically, read with ``weights_only``.
+"""Training checkpoints that reshard and survive a crash at any moment: ``torch.distributed.checkpoint``
+(DCP) files, published atomically, checked by SHA-256 before they are read.
 
 Layout of a checkpoint directory::
 
     ckpt/
-      step_000040/rank0.pt   everything rank 0 needs to continue (its model and optimizer state, the data
-                             stream, the losses), and the whole model gathered from every rank
-      step_000040/rank3.pt   ... one file per rank that holds state of its own (a shard, a stage, experts);
-                             replicas of the same state read the first replica's file
-      step_000040/manifest.json  written last: each file's size and SHA-256, the run's arguments, its layout
-      latest                 the name of the newest complete step directory
+      step_000040/__0_0.distcp   rank 0's part of the model and optimizer state (DCP writes every tensor once:
+      step_000040/__1_0.distcp   a shard by the rank holding it, a replicated tensor by one of its replicas)
+      step_000040/.metadata      DCP's index: every tensor's global shape and which file holds which chunk
+      step_000040/manifest.json  written last: each file's size and SHA-256, the run's arguments and model config
+      latest                     the name of the newest complete step directory
 
-Every file is written to a temporary name and renamed into place (a rename is atomic on POSIX
-filesystems); once every rank's file exists, rank 0 writes the manifest, then moves ``latest``, so a
-job killed while saving leaves the previous checkpoint intact and ``latest`` pointing at it. Loading
-checks the file against the manifest first, so flipped bytes, a truncated or an empty file are named
-(:class:`CheckpointError`) instead of resuming from garbage or failing deep inside ``torch.load``; and
-:func:`newest_intact` walks back from ``latest`` to the newest checkpoint whose files all check out.
-Loading uses ``torch.load(weights_only=True)``: a checkpoint holds tensors, numbers and strings, never code.
+Each rank presents its state with :func:`scalebook.train.state_dict.get_state_dict` (global names, DTensors
+for the chunks it holds); DCP's planner decides who writes what, and a load in any other layout reads the
+chunks that overlap what each rank holds there. :class:`Checkpointer` saves synchronously, or with
+``async_save=True`` through ``dcp.async_save``: the state is copied to host memory (the stall) and written by a
+background thread on a process group of its own, while training goes on.
 
-Rank 0's file holds the single-process model whatever the layout (the training run gathers it from the
-shards, stages and experts when it saves), so :func:`consolidate` just reads it, and
-``python -m scalebook.train.checkpoint CKPT OUT.pt [--hf DIR]`` writes it for ``GPT.load_state_dict`` and, with
-``--hf``, as a Hugging Face ``GPT2LMHeadModel`` directory.
+Publishing. Once DCP's save has returned on rank 0 (its coordinator writes ``.metadata`` after every rank's
+files are written), rank 0 writes the manifest, then moves ``latest``, each by an atomic rename (POSIX
+``rename(2)``), so a job killed while saving leaves the previous checkpoint intact and ``latest`` pointing at it.
+Reading checks the files against the manifest first, so flipped bytes, a truncated or an empty file are named
+(:class:`CheckpointError`) instead of resuming from garbage; :func:`newest_intact` walks back from ``latest`` to
+the newest checkpoint whose files all check out, and ``keep_last`` retention deletes only older checkpoints.
 
-Source: PyTorch documentation, "Saving and loading models" and ``torch.load(weights_only=True)``;
-POSIX ``rename(2)``; Python documentation, ``hashlib`` (SHA-256).
+:func:`consolidate` loads the model part into the single-process GPT on one process (DCP reads every chunk),
+and ``python -m scalebook.train.checkpoint CKPT OUT.pt [--hf DIR]`` writes it for ``GPT.load_state_dict`` and,
+with ``--hf``, as a Hugging Face ``GPT2LMHeadModel`` directory.
+
+Source: PyTorch documentation, "Distributed Checkpoint - torch.distributed.checkpoint" (``save``, ``load``,
+``async_save``); torchtitan ``torchtitan/components/checkpoint.py`` (async save on a gloo group, retention);
+Young 1974, "A first order approximation to the optimum checkpoint interval"; POSIX ``rename(2)``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import re
+import shutil
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 _STEP_DIR = re.compile(r"step_(\d{6,})")
 MANIFEST = "manifest.json"
+FORMAT = "torch.distributed.checkpoint"  # the manifest's "format": files of an older layout lack it
+# DCP warns on every save and load without a process group (from the writer's thread too, out of reach of
+# warnings.catch_warnings) that it assumes one process: which is what such a run means.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming")
 
 
 class CheckpointError(ValueError):
@@ -67,27 +78,23 @@ def atomic_save(obj, path: str | os.PathLike, save=torch.save) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def save_shard(root: str | os.PathLike, step: int, rank: int, state: dict) -> Path:
-    """Write one rank's state for ``step``; :func:`mark_complete` publishes it once all ranks wrote."""
-    path = step_dir(root, step) / f"rank{rank}.pt"
-    atomic_save(state, path)
-    return path
-
-
 def _atomic_write_text(path: Path, text: str) -> None:
     atomic_save(text.encode(), path, save=lambda data, f: f.write(data))
 
 
 def write_manifest(root: str | os.PathLike, step: int, meta: dict | None = None) -> Path:
-    """Record the size and SHA-256 of every rank file of ``step``, with ``meta`` (the run's arguments and
-    layout), in ``manifest.json``, atomically: call on one rank, after every rank's :func:`save_shard`."""
+    """Record the size and SHA-256 of every file of checkpoint ``step``, with ``meta`` (the run's arguments and
+    model config), in ``manifest.json``, atomically: call on one rank, once DCP's save has returned there."""
     folder = step_dir(root, step)
     files = {}
-    for path in sorted(folder.glob("rank*.pt")):
-        with open(path, "rb") as f:
-            files[path.name] = {"bytes": path.stat().st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name != MANIFEST:
+            with open(path, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            files[path.name] = {"bytes": path.stat().st_size, "sha256": digest}
     path = folder / MANIFEST
-    _atomic_write_text(path, json.dumps({"step": step, "files": files, **(meta or {})}, indent=1) + "\n")
+    _atomic_write_text(path, json.dumps({"step": step, "format": FORMAT, "files": files, **(meta or {})},
+                                        indent=1) + "\n")  # fmt: skip
     return path
 
 
@@ -126,8 +133,7 @@ def _checked_bytes(path: Path, manifest: dict) -> bytes:
     """The content of ``path``, after checking its size and SHA-256 against ``manifest``."""
     expected = manifest["files"].get(path.name)
     if expected is None:
-        raise CheckpointError(f"{path} is not in its manifest: the checkpoint was written by a different number of "
-                              f"ranks or strategy (its files: {', '.join(manifest['files'])})")  # fmt: skip
+        raise CheckpointError(f"{path} is not in its manifest (its files: {', '.join(manifest['files'])})")
     if not path.exists():
         raise CheckpointError(f"{path} is missing")
     content = path.read_bytes()
@@ -143,9 +149,17 @@ def verify(root: str | os.PathLike, step: int) -> dict:
     """Check every file of checkpoint ``step`` against its manifest and return the manifest; CheckpointError
     naming the first bad file."""
     manifest = read_manifest(root, step)
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{step_dir(root, step)} holds one torch.save file per rank, the format before "
+                              f"{FORMAT}: resume it with that version, or use another --checkpoint-dir")  # fmt: skip
     for name in manifest["files"]:
         _checked_bytes(step_dir(root, step) / name, manifest)
     return manifest
+
+
+def _steps(root: str | os.PathLike) -> list[int]:
+    """The steps of the step directories under ``root``, newest first."""
+    return sorted((int(m.group(1)) for p in Path(root).iterdir() if (m := _STEP_DIR.fullmatch(p.name))), reverse=True)
 
 
 def newest_intact(root: str | os.PathLike) -> tuple[int | None, list[str]]:
@@ -154,8 +168,7 @@ def newest_intact(root: str | os.PathLike) -> tuple[int | None, list[str]]:
     latest = latest_step(root)
     if latest is None:
         return None, []
-    steps = sorted((int(m.group(1)) for p in Path(root).iterdir() if (m := _STEP_DIR.fullmatch(p.name))),
-                   reverse=True)  # fmt: skip
+    steps = _steps(root)
     problems = []
     for step in (s for s in steps if s <= latest):
         try:
@@ -166,22 +179,105 @@ def newest_intact(root: str | os.PathLike) -> tuple[int | None, list[str]]:
     return None, problems
 
 
-def load_shard(root: str | os.PathLike, step: int, rank: int) -> dict:
-    """Read one rank's state for ``step`` (tensors and plain data only), checked against the manifest."""
-    content = _checked_bytes(step_dir(root, step) / f"rank{rank}.pt", read_manifest(root, step))
-    return torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
+def prune(root: str | os.PathLike, keep_last: int) -> list[int]:
+    """Delete the step directories older than the ``keep_last`` newest complete ones at or before ``latest``
+    (those with a manifest); never ``latest`` itself, nor anything newer. Returns the deleted steps."""
+    latest = latest_step(root)
+    if latest is None or keep_last < 1:
+        return []
+    steps = _steps(root)
+    complete = [s for s in steps if s <= latest and (step_dir(root, s) / MANIFEST).exists()][:keep_last]
+    doomed = [s for s in steps if s < min(complete)]
+    for step in doomed:
+        shutil.rmtree(step_dir(root, step))
+    return doomed
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+class Checkpointer:
+    """Save a run's checkpoints under ``root`` and publish them; load one. Every rank builds one and calls
+    :meth:`save` at the same steps (a collective); rank 0 publishes.
+
+    ``async_save``: :meth:`save` returns once the state is copied to host memory, and a background thread
+    writes it, over a gloo process group created here (a collective) so that its collectives never interleave
+    with training's; the checkpoint is published by :meth:`poll` (call it every step) or :meth:`wait`, which
+    the next save and the end of the run call first. ``keep_last``: after publishing, :func:`prune`.
+    """
+
+    def __init__(self, root: str | os.PathLike, meta: dict, *, keep_last: int | None = None,
+                 async_save: bool = False):  # fmt: skip
+        self.root, self.meta, self.keep_last, self.async_save = Path(root), meta, keep_last, async_save
+        self.rank = 0 if _no_dist() else dist.get_rank()
+        self.group = dist.new_group(backend="gloo") if async_save and not _no_dist() else None
+        self.pending: tuple[int, object] | None = None  # (step, the background write's future)
+
+    def save(self, state: dict, step: int) -> None:
+        """Write ``state`` (:func:`~scalebook.train.state_dict.get_state_dict` plus the run's own tensors) as
+        checkpoint ``step``."""
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        where = step_dir(self.root, step)
+        if self.rank == 0 and where.exists():  # a step written again (after a corrupt one): no stale file stays
+            shutil.rmtree(where)
+        if not _no_dist():
+            dist.barrier()  # ... before any rank starts writing there
+        if self.async_save:
+            response = dcp.async_save(state, checkpoint_id=where, process_group=self.group, no_dist=_no_dist())
+            self.pending = step, getattr(response, "upload_completion", response)
+        else:
+            dcp.save(state, checkpoint_id=where, no_dist=_no_dist())
+            self._publish(step)
+
+    def poll(self) -> None:
+        """Publish the background save if it has finished (no waiting, no collective)."""
+        if self.pending and self.pending[1].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the background save, if any, and publish it."""
+        if self.pending:
+            step, future = self.pending
+            self.pending = None
+            future.result()
+            self._publish(step)
+
+    def _publish(self, step: int) -> None:
+        if self.rank == 0:
+            write_manifest(self.root, step, self.meta)
+            mark_complete(self.root, step)
+            if self.keep_last:
+                prune(self.root, self.keep_last)
+
+    def load(self, state: dict, step: int) -> None:
+        """Fill ``state`` (this layout's tensors, any values) in place from checkpoint ``step``, whatever
+        layout wrote it (call :func:`newest_intact` or :func:`verify` first: this reads without checking)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(state, checkpoint_id=step_dir(self.root, step), no_dist=_no_dist())
 
 
 def consolidate(root: str | os.PathLike, step: int | None = None) -> tuple[dict, dict]:
-    """The full model state dict of checkpoint ``step`` (default: the latest), and its metadata: the model
-    size, its ``GPTConfig`` as a dict, the step and the world size that wrote it."""
+    """The full model state dict of checkpoint ``step`` (default: the latest) on this one process, checked
+    against its manifest, and its metadata: the model size, its ``GPTConfig`` as a dict, the step and the
+    world size that wrote it."""
+    import torch.distributed.checkpoint as dcp
+
+    from scalebook.model import GPT, GPTConfig
+
     step = latest_step(root) if step is None else step
     if step is None:
         raise FileNotFoundError(f"no complete checkpoint under {root} (no 'latest' file)")
-    first = load_shard(root, step, 0)
-    meta = {"model_size": first["model_size"], "config": json.loads(first["config"]), "step": step,
-            "world_size": first["world_size"]}  # fmt: skip
-    return first["model"], meta
+    manifest = verify(root, step)
+    model = GPT(GPTConfig(**manifest["config"]))
+    state = {f"model.{name}": t for name, t in model.state_dict().items() if name != "lm_head.weight"}  # tied
+    dcp.load(state, checkpoint_id=step_dir(root, step), no_dist=True)  # into the model's own tensors
+    meta = {"model_size": manifest["args"]["model"], "config": manifest["config"], "step": step,
+            "world_size": manifest["world_size"]}  # fmt: skip
+    return model.state_dict(), meta
 
 
 def main(argv: list[str] | None = None) -> int:

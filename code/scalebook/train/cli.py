@@ -174,12 +174,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (none are written if unset)")
     g.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
     g.add_argument(
+        "--keep-last",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep only the N newest complete checkpoints (older step folders are deleted once a newer one is "
+        "published; never the one 'latest' names); 0 keeps them all",
+    )
+    g.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write checkpoints in a background thread (torch.distributed.checkpoint.async_save): training "
+        "stalls only while the state is copied to host memory; a checkpoint is published when the next one "
+        "starts or the run ends",
+    )
+    g.add_argument(
         "--resume",
         action="store_true",
         help="continue from the newest intact checkpoint in --checkpoint-dir (each file's SHA-256 is checked; "
         "a corrupt one is passed over, saying so); --model, --moe-experts, --moe-top-k, --seq-len, "
-        "--global-batch, --seed and --data must equal the checkpoint's; the layout may change where every "
-        "replica holds the whole state (not ZeRO, FSDP2 or experts); with no checkpoint yet, start at step 0",
+        "--global-batch, --seed and --data must equal the checkpoint's; the layout and the number of ranks may "
+        "change (the checkpoint is resharded); with no checkpoint yet, start at step 0",
     )
     g.add_argument("--log-every", type=int, default=1, help="steps between metric lines")
     g.add_argument("--metrics", default=None, help="also append the JSON metric lines to this file")
@@ -270,41 +285,41 @@ def _diverged(args, what: str, last_good: int | None) -> TrainingDiverged:
                             "--skip-nonfinite N skip up to N such steps")  # fmt: skip
 
 
-def _save(args, model, step: int, generator: torch.Generator, losses: list[float]) -> None:
-    """One checkpoint: every rank holding its own state writes its file; rank 0's also holds the whole model
-    (gathered: a collective); once every file is on disk rank 0 writes the manifest, then moves ``latest``."""
-    from scalebook.train import checkpoint
-    from scalebook.train.preflight import state_layout
+class _Checkpoints:
+    """The run's checkpoints (:class:`~scalebook.train.checkpoint.Checkpointer`): the model's and optimizer's state
+    (:meth:`ParallelModel.state_dict`, each rank its part) and the run's own, the same on every rank: the data
+    generator, the step and the losses so far. Written by any layout, read by any other."""
 
-    rank = model.mesh.rank if model.mesh else 0
-    full = model.full_state_dict()
-    if model.checkpoint_rank == rank:
-        state = {"local": model.state_dict(), "generator": generator.get_state(), "step": step,
-                 "losses": torch.tensor(losses, dtype=torch.float64), "world_size": model.dims.world_size,
-                 "model_size": args.model, "config": json.dumps(model_config(args).to_dict()),
-                 "args": json.dumps(vars(args))}  # fmt: skip
-        if rank == 0:
-            state["model"] = full
-        checkpoint.save_shard(args.checkpoint_dir, step, rank, state)
-    if model.dims.world_size > 1:
-        dist.barrier()  # every file is on disk before the manifest lists them
-    if rank == 0:
-        meta = {"args": vars(args), "world_size": model.dims.world_size, "layout": state_layout(args, model.dims)}
-        checkpoint.write_manifest(args.checkpoint_dir, step, meta)
-        checkpoint.mark_complete(args.checkpoint_dir, step)
+    def __init__(self, args, model, generator: torch.Generator):
+        from scalebook.train.checkpoint import Checkpointer
 
+        meta = {"args": vars(args), "world_size": model.dims.world_size, "config": model_config(args).to_dict()}
+        self.model, self.generator = model, generator
+        self.checkpointer = Checkpointer(args.checkpoint_dir, meta, keep_last=args.keep_last,
+                                         async_save=args.async_save)  # fmt: skip
 
-def _resume(args, model, generator: torch.Generator, start: int) -> list[float]:
-    """Load checkpoint ``start`` (the pre-flight's newest intact one) into ``model`` and ``generator``; the losses
-    so far (none when ``start`` is 0)."""
-    from scalebook.train import checkpoint
+    def _state(self, step: int, losses: list[float]) -> dict:
+        losses = torch.tensor(losses, dtype=torch.float64)
+        return {**self.model.state_dict(), "train.generator": self.generator.get_state(),
+                "train.step": torch.tensor(step), "train.losses": losses}  # fmt: skip
 
-    if not start:
-        return []
-    state = checkpoint.load_shard(args.checkpoint_dir, start, model.checkpoint_rank)
-    model.load_state_dict(state["local"])
-    generator.set_state(state["generator"])
-    return state["losses"].tolist()
+    def save(self, step: int, losses: list[float]) -> None:
+        self.checkpointer.save(self._state(step, losses), step)
+
+    def resume(self, start: int) -> list[float]:
+        """Load checkpoint ``start`` (the pre-flight's newest intact one; 0: none) into the model and the data
+        generator; the losses so far."""
+        if not start:
+            return []
+        state = self._state(start, [0.0] * start)  # tensors of this layout's shapes, for DCP to fill
+        self.checkpointer.load(state, start)
+        self.model.load_state_dict(state)
+        self.generator.set_state(state["train.generator"])
+        return state["train.losses"].tolist()
+
+    def wait(self) -> None:
+        """Let an asynchronous save finish and publish it."""
+        self.checkpointer.wait()
 
 
 def _fail_if_asked(args, step: int, rank: int, world_size: int) -> None:
@@ -351,7 +366,8 @@ def run(args: argparse.Namespace, plan: Plan | None = None) -> list:
                         foreach=False)  # fmt: skip
     tokens = data.load_tokens(args.data)  # a prepared folder is memory-mapped: each rank reads only its rows
     generator = torch.Generator().manual_seed(args.seed)
-    losses = _resume(args, model, generator, plan.start)
+    checkpoints = _Checkpoints(args, model, generator) if args.checkpoint_dir else None
+    losses = checkpoints.resume(plan.start) if checkpoints else []
     log = _Log(args, dims, env.rank, plan.start)
     per_replica = args.micro_batch * dims.micro_batches
 
@@ -359,16 +375,18 @@ def run(args: argparse.Namespace, plan: Plan | None = None) -> list:
         return data.get_batch(tokens, per_replica, args.seq_len, generator, rank=model.coords["dp"], world_size=dims.dp)
 
     try:
-        return _train(args, model, next_batch, generator, cfg, plan.start, losses, log)
+        return _train(args, model, next_batch, checkpoints, cfg, plan.start, losses, log)
     finally:
         log.close()
+        if checkpoints:
+            checkpoints.wait()  # an asynchronous save finishes and is published before the ranks exit
         if owns_group and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
 
 
 def _train(
-    args, model, next_batch, generator: torch.Generator, cfg, start: int, losses: list[float], log: _Log
+    args, model, next_batch, checkpoints: _Checkpoints | None, cfg, start: int, losses: list[float], log: _Log
 ) -> list:
     """The loop of :func:`run`: steps, logging, checkpoints, the non-finite steps' verdicts, and a stop on SIGTERM or
     SIGUSR1 (:mod:`scalebook.train.preemption`): save, then raise its :class:`~scalebook.train.preemption.Stopped`."""
@@ -397,7 +415,7 @@ def _train(
             if args.checkpoint_dir and due:
                 if not _finite_weights(model):
                     raise _diverged(args, f"step {record.step}: the weights are not finite (not saved)", last_good)
-                _save(args, model, record.step, generator, losses)
+                checkpoints.save(record.step, losses)
                 last_good = record.step
             _fail_if_asked(args, record.step, rank, world_size)
             if stop_signal and record.step < args.steps:

@@ -11,8 +11,8 @@ otherwise surface after minutes (or hours) of training, and reports them all in 
   the size it gives, ids within the model's vocabulary; long enough for one sequence);
 - ``--resume``: the newest checkpoint whose files match their manifest
   (:func:`scalebook.train.checkpoint.newest_intact`), its settings that fix the run (model, data, batch,
-  seed: ``RESUME_SETTINGS``) equal to this run's, its state readable in this layout, and ``--steps``
-  beyond its step.
+  seed: ``RESUME_SETTINGS``) equal to this run's, and ``--steps`` beyond its step. The layout and the number
+  of ranks may differ from the checkpoint's: :mod:`torch.distributed.checkpoint` reshards it.
 
 Every rank reaches the same verdict from the same arguments and files, so no rank waits for another that
 gave up; the command line prints it on rank 0 only.
@@ -28,8 +28,6 @@ import math
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from scalebook.parallel.dims import SHARDED_GRADIENTS
 
 # --strategy -> the data-parallel wrapper of ParallelDims; tp, pp and 3d average their replicas with the book's DDP.
 STRATEGIES = {"single": None, "torch-ddp": "torch-ddp", "fsdp": "fsdp", "ddp": "ddp", "zero1": "zero1",
@@ -78,6 +76,8 @@ def _argument_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if args.skip_nonfinite < 0:
         problems.append(f"--skip-nonfinite must be >= 0, got {args.skip_nonfinite}")
+    if args.keep_last < 0:
+        problems.append(f"--keep-last must be >= 0 (0 keeps every checkpoint), got {args.keep_last}")
     if not (math.isfinite(args.lr) and 0 < args.min_lr <= args.lr):
         problems.append(f"need 0 < --min-lr <= --lr, both finite, got {args.min_lr} and {args.lr}")
     if args.resume and not args.checkpoint_dir:
@@ -147,21 +147,7 @@ def path_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
-def state_layout(args: argparse.Namespace, dims) -> dict:
-    """What a checkpoint's rank files depend on: only the tensor and pipeline degrees where every replica holds
-    the whole state (rank 0's file is the replicas' file, see ``ParallelModel.checkpoint_rank``), every degree
-    and the wrapper where the state is split over the replicas (ZeRO, FSDP2, experts)."""
-    if dims.data_parallel in (*SHARDED_GRADIENTS, "zero1") or args.moe_experts:
-        return {"strategy": dims.data_parallel or "single", "ranks": dims.world_size, "dp": dims.dp, "tp": dims.tp,
-                "pp": dims.pp, "cp": dims.cp, "ep": dims.ep}  # fmt: skip
-    return {"tp": dims.tp, "pp": dims.pp}
-
-
-def _flags(state: dict) -> str:
-    return " ".join(f"--{name} {value}" for name, value in state.items() if name != "ranks")
-
-
-def resume_problems(args: argparse.Namespace, dims, plan: Plan) -> list[str]:
+def resume_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
     """``--resume``: set ``plan.start`` to the newest intact checkpoint's step (noting the ones passed over) and
     return what stops this run from continuing it."""
     from scalebook.train import checkpoint
@@ -181,11 +167,6 @@ def resume_problems(args: argparse.Namespace, dims, plan: Plan) -> list[str]:
     problems = [f"--{name.replace('_', '-')}: the checkpoint (step {step} in {root}) has {saved[name]!r}, this run "
                 f"{getattr(args, name)!r}; pass --{name.replace('_', '-')} {saved[name]} or another --checkpoint-dir"
                 for name in RESUME_SETTINGS if saved[name] != getattr(args, name)]  # fmt: skip
-    if not problems and manifest["layout"] != state_layout(args, dims):  # of the same model
-        problems.append(f"--resume: the checkpoint's state is laid out as {_flags(manifest['layout'])} on "
-                        f"{manifest['world_size']} ranks, which this run ({_flags(state_layout(args, dims))} on "
-                        f"{dims.world_size} ranks) cannot read: each rank's file holds its own part of the model "
-                        "and optimizer; resume in the checkpoint's layout")  # fmt: skip
     if args.steps < step:
         problems.append(f"--steps {args.steps} is below the checkpoint's step {step}: a run cannot go back; "
                         f"pass --steps above {step}, or another --checkpoint-dir")  # fmt: skip
@@ -209,7 +190,7 @@ def preflight(args: argparse.Namespace, world_size: int) -> Plan:
         problems.append(f"--data: {error}")
     plan = Plan(dims)
     if args.resume and not problems:
-        problems += resume_problems(args, dims, plan)
+        problems += resume_problems(args, plan)
     if problems:
         raise ValueError("invalid arguments:\n  " + "\n  ".join(problems))
     return plan
