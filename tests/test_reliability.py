@@ -357,6 +357,18 @@ def test_a_layout_change_continues_the_run(saved, tmp_path, monkeypatch):
             assert got == pytest.approx(expected, rel=1e-6), strategy  # wrapper's reductions of one rank)
 
 
+def test_async_saves_are_published_pruned_and_resume_bit_for_bit(tmp_path):
+    # --async-save: written by a background thread, published (manifest, latest) when the next save starts or
+    # the run ends; --keep-last 2 then deletes step 2.
+    ckpt = tmp_path / "ckpt"
+    full = cli.run(args_of([*SMALL, "--steps", "6", "--keep-last", "2", "--async-save"], checkpoint_dir=str(ckpt)))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_000004", "step_000006"]
+    assert checkpoint.newest_intact(ckpt) == (6, [])
+    checkpoint.mark_complete(ckpt, 4)
+    resumed = cli.run(args_of([*SMALL, "--steps", "6", "--async-save"], checkpoint_dir=str(ckpt), resume=True))
+    assert steps(resumed) == steps(full)[4:]  # the copy was taken before training moved on: the same state
+
+
 def test_keep_last_deletes_only_older_checkpoints(tmp_path):
     ckpt = tmp_path / "ckpt"
     cli.run(args_of([*SMALL, "--steps", "6", "--keep-last", "2"], checkpoint_dir=str(ckpt)))
