@@ -72,11 +72,11 @@ def sha256_of(path: str | os.PathLike, block: int = 1 << 22) -> str:
 
 
 def is_prepared(path: str | os.PathLike | None) -> bool:
-    """Whether ``path`` is a folder that a prepare wrote (or began to write: shards without an index)."""
+    """Whether ``path`` is a folder that a prepare wrote (or began to write: ``train_*.bin`` shards, no index)."""
     if path is None or not Path(path).is_dir():
         return False
     path = Path(path)
-    return (path / INDEX_NAME).exists() or any(path.glob(f"*{SHARD_SUFFIX}"))
+    return (path / INDEX_NAME).exists() or any(path.glob(f"train_*{SHARD_SUFFIX}"))
 
 
 def read_index(root: str | os.PathLike) -> dict:
