@@ -85,15 +85,19 @@ def _moe_problems(cfg: ModelConfig) -> list[str]:
         return problems
     if cfg.n_experts == 0:
         if cfg.experts_per_token or cfg.n_shared_experts or cfg.n_dense_layers or cfg.d_ff_expert is not None:
-            problems.append("experts_per_token, n_shared_experts, n_dense_layers and d_ff_expert describe "
-                            "mixture-of-experts layers: set n_experts (routed experts per layer) too")
+            problems.append(
+                "experts_per_token, n_shared_experts, n_dense_layers and d_ff_expert describe "
+                "mixture-of-experts layers: set n_experts (routed experts per layer) too"
+            )
     else:
         if not 1 <= cfg.experts_per_token <= cfg.n_experts:
-            problems.append(f"experts_per_token must be in [1, n_experts = {cfg.n_experts}], "
-                            f"got {cfg.experts_per_token!r}")
+            problems.append(
+                f"experts_per_token must be in [1, n_experts = {cfg.n_experts}], got {cfg.experts_per_token!r}"
+            )
         if cfg.n_dense_layers >= cfg.n_layers:
-            problems.append(f"n_dense_layers ({cfg.n_dense_layers}) must leave at least one MoE layer "
-                            f"of the {cfg.n_layers}")
+            problems.append(
+                f"n_dense_layers ({cfg.n_dense_layers}) must leave at least one MoE layer of the {cfg.n_layers}"
+            )
         if cfg.d_ff_expert is not None and not _is_positive_int(cfg.d_ff_expert):
             problems.append(f"d_ff_expert must be a positive integer or None (= d_ff), got {cfg.d_ff_expert!r}")
     if cfg.latent_attention is not None:
@@ -157,8 +161,7 @@ class ModelConfig:
         if not problems:
             if self.d_model % self.n_heads:
                 problems.append(
-                    f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}); "
-                    f"change one of them"
+                    f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}); change one of them"
                 )
             if self.n_heads % self.n_kv_heads:
                 problems.append(
@@ -168,7 +171,8 @@ class ModelConfig:
         if self.nominal_params is not None and not self.nominal_params > 0:
             problems.append(f"nominal_params must be positive, got {self.nominal_params!r}")
         if self.batch_sequences is not None and (
-            not isinstance(self.batch_sequences, int) or isinstance(self.batch_sequences, bool)
+            not isinstance(self.batch_sequences, int)
+            or isinstance(self.batch_sequences, bool)
             or self.batch_sequences < 1
         ):
             problems.append(f"batch_sequences must be a positive integer or None, got {self.batch_sequences!r}")
