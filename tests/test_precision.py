@@ -131,6 +131,22 @@ def test_dynamic_loss_scaler_matches_grad_scaler_step_by_step(settings, clip):
     assert len({scale for scale, _, _ in ours}) > 3  # the scale moved both ways, so the test exercises update()
 
 
+def test_dynamic_loss_scaler_checkpoints_are_interchangeable_with_grad_scaler():
+    settings = dict(init_scale=2.0**24, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    ours, ref = precision.DynamicLossScaler(**settings), torch.amp.GradScaler("cpu", **settings)
+    _scaled_training(ours, 10, {4}, clip=False)
+    _scaled_training(ref, 10, {4}, clip=False)
+    assert ours.state_dict() == ref.state_dict()
+    # Resume each from the other's state: the next steps (new batches) agree bit for bit.
+    resumed_ours, resumed_ref = precision.DynamicLossScaler(), torch.amp.GradScaler("cpu")
+    resumed_ours.load_state_dict(ref.state_dict())
+    resumed_ref.load_state_dict(ours.state_dict())
+    assert resumed_ours.state_dict() == resumed_ref.state_dict() == ref.state_dict()
+    after_ours = _scaled_training(resumed_ours, 6, {2}, clip=False)
+    after_ref = _scaled_training(resumed_ref, 6, {2}, clip=False)
+    assert [(s, k) for s, k, _ in after_ours] == [(s, k) for s, k, _ in after_ref]
+
+
 def test_dynamic_loss_scaler_counts_skips_and_refuses_misuse():
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([p], lr=1.0)

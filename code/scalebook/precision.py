@@ -192,6 +192,16 @@ class DynamicLossScaler:
     def get_scale(self) -> float:
         return float(self._scale)
 
+    def state_dict(self) -> dict:
+        """The scaler's state under GradScaler's keys, so that either can resume from the other's checkpoint."""
+        return {"scale": self.get_scale(), "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": self._clean_steps}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self._scale = torch.tensor(float(state["scale"]), dtype=torch.float32)
+        self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
+        self.growth_interval, self._clean_steps = state["growth_interval"], state["_growth_tracker"]
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * S``: backward through it yields gradients multiplied by S."""
         return loss * self._scale.to(loss.device)
