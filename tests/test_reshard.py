@@ -22,7 +22,7 @@ RUN = ["--steps", "6", "--micro-batch", "2", "--global-batch", "8", "--seq-len",
        "--log-every", "100", "--checkpoint-every", "3"]  # fmt: skip
 TWO_RANKS = {
     "ddp x 2": ["--strategy", "ddp"],
-    "zero1 x 2": ["--strategy", "zero1"],  # the flat optimizer shards, cut per parameter on load
+    "zero1 x 2": ["--strategy", "zero1", "--async-save"],  # the flat optimizer shards; saves in the background
     "tp 2": ["--strategy", "tp", "--tp", "2"],  # column/row shards, and the fused QKV's three row ranges
     "pp 2": ["--strategy", "pp", "--pp", "2"],  # each stage reads its own blocks, the last the tied embedding
 }
@@ -44,6 +44,8 @@ def resume_in(layouts: dict[str, list[str]], checkpoints: dict[str, str]) -> dic
     for name, argv in layouts.items():
         records = cli.run(args_of([*RUN, *argv], checkpoint_dir=checkpoints[name], resume=True))
         losses[name] = [r.loss for r in records]
+        dist.barrier()  # rank 0 published the last save before returning; every rank looks after that
+        assert checkpoint.newest_intact(checkpoints[name]) == (6, []), name  # asynchronous saves too
     return losses if dist.get_rank() == 0 else {}
 
 
