@@ -26,9 +26,10 @@ Rank 0 prints one JSON object per logged step to stdout (``step``, ``loss``, ``g
 ``world_size``, ``tokens_per_s``, ``step_time``, ``state_bytes``, and ``mfu`` when ``--peak-flops`` is given)
 and appends the same lines to ``--metrics`` if set; a tqdm bar goes to stderr. With ``--checkpoint-dir``
 the run saves every ``--checkpoint-every`` steps (atomically, with a manifest of SHA-256 sums, see
-:mod:`scalebook.train.checkpoint`): each rank whose state is its own writes its file, and rank 0's also
-holds the whole model gathered from the shards, stages and experts; ``--resume`` continues from the newest
-intact checkpoint with bit-identical losses on CPU.
+:mod:`scalebook.train.checkpoint`) through ``torch.distributed.checkpoint``, each rank writing its part
+(``--async-save``: in a background thread; ``--keep-last N``: the N newest kept); ``--resume`` continues from
+the newest intact checkpoint, bit-identically on CPU in the layout that wrote it, and in any other layout or
+number of ranks (the checkpoint is resharded) to float32 rounding.
 
 Failing loudly. :mod:`scalebook.train.preflight` checks the arguments, the layout, the paths, the data and
 a resume's checkpoint on every rank before any of them starts work; an error is printed once, by rank 0,
