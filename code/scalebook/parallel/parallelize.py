@@ -188,7 +188,7 @@ class ParallelModel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process GPT's state dict (every name, the tied head included), gathered from the
         shards, stages and experts on every rank (a collective), in CPU memory: the whole model need not fit
-        on a GPU beside the training state, and a checkpoint writes it from there."""
+        on a GPU beside the training state (a checkpoint saves each rank's part instead: :meth:`state_dict`)."""
         return _gather_full_state(self)
 
     def held_bytes(self) -> int:
