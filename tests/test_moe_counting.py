@@ -23,10 +23,10 @@ def hf():
     return pytest.importorskip("torch"), pytest.importorskip("transformers")
 
 
-def hf_moe(hf, cfg):
-    """Hugging Face's model of ``cfg`` on the meta device (config.json's field names)."""
+def hf_moe(hf, cfg, device="meta", **extra):
+    """Hugging Face's model of ``cfg`` (config.json's field names), on the meta device unless told."""
     torch, transformers = hf
-    common = dict(
+    common = dict(**extra,
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
         max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tied_embeddings,
@@ -44,10 +44,10 @@ def hf_moe(hf, cfg):
             num_experts_per_tok=cfg.experts_per_token, n_shared_experts=cfg.n_shared_experts,
             first_k_dense_replace=cfg.n_dense_layers, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
             qk_nope_head_dim=mla.qk_nope_head_dim, qk_rope_head_dim=mla.qk_rope_head_dim,
-            v_head_dim=mla.v_head_dim, n_group=8, topk_group=4, **common,
+            v_head_dim=mla.v_head_dim, n_group=1, topk_group=1, **common,  # routing groups hold no parameters
         )  # fmt: skip
         build = transformers.DeepseekV3ForCausalLM
-    with torch.device("meta"):
+    with torch.device(device):
         return build(hf_config)
 
 
@@ -226,3 +226,42 @@ def test_a_small_moe_built_here_matches_hf_without_latent_attention_queries(hf):
     with torch.device("meta"):
         model = transformers.DeepseekV3ForCausalLM(hf_config)
     assert accounting.param_count(cfg) == sum(p.numel() for p in model.parameters())
+
+
+TINY = {
+    # Small shapes of the two layouts: GQA with 8 experts top-2; MLA, a dense first layer, a shared expert.
+    "mixtral-8x7b": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64),
+    "deepseek-v3": dict(
+        vocab_size=256,
+        d_model=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=4,
+        d_ff=96,
+        max_seq_len=64,
+        n_experts=8,
+        experts_per_token=2,
+        d_ff_expert=32,
+        n_dense_layers=1,
+        latent_attention=configs.LatentAttention(24, 16, 8, 4, 8),
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("name", MOES)
+def test_training_flops_per_token_match_flop_counter_on_hf_models(hf, name):
+    # FlopCounterMode counts the matmuls HF runs; with the eager experts (a loop over the experts hit,
+    # each multiplying only its tokens) that is k experts per token: the active count. (The default
+    # grouped kernels are invisible to the counter.) Forward = flops_per_token / 3, backward twice that,
+    # exactly: the router, the shared expert, MLA's scores over d_nope + d_rope and d_v all included.
+    from scalebook import measure
+
+    torch, transformers = hf
+    cfg = dataclasses.replace(configs.get_model(name), name="tiny", **TINY[name])
+    torch.manual_seed(0)
+    model = hf_moe(hf, cfg, device="cpu", experts_implementation="eager").train()  # routing needs real weights
+    b, s = 2, 32
+    idx = torch.randint(0, cfg.vocab_size, (b, s))
+    counted = measure.count_flops(model, (idx,), loss_fn=lambda out: out.logits.float().square().mean())
+    assert counted.forward * 3 == accounting.flops_per_token(cfg, seq_len=s) * b * s
+    assert counted.backward == 2 * counted.forward
