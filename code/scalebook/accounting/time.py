@@ -4,7 +4,8 @@ Model FLOPs utilization is the share of the devices' peak that goes into the mod
 
     MFU = model FLOPs per token * tokens per second / (n_devices * peak FLOP/s)
 
-with model FLOPs from :mod:`scalebook.accounting.flops`, recomputation excluded. Turned around:
+with model FLOPs from :mod:`scalebook.accounting.flops`, recomputation excluded (a mixture of experts'
+from its active parameters, 6 N_active). Turned around:
 
     days    = F / (n_devices * peak * MFU) / 86400
     devices = ceil(F / (days * 86400 * peak * MFU))
