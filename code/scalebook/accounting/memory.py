@@ -58,7 +58,7 @@ Source: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Tri
 Models", Sec. 3 and Fig. 1; Tazi et al. 2025, "The Ultra-Scale Playbook", "Memory usage in
 Transformers"; Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models";
 Dao et al. 2022, "FlashAttention" (what a fused kernel keeps); Ainslie et al. 2023, "GQA"; Pope et al.
-2022, "Efficiently Scaling Transformer Inference" (the KV cache); Megatron-LM
+2023, "Efficiently Scaling Transformer Inference" (the KV cache); Megatron-LM
 ``megatron/core/transformer/dot_product_attention.py`` (K and V repeated per query group).
 """
 
