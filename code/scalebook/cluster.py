@@ -265,6 +265,30 @@ class LocalCluster:
         job_id = result.stdout.strip().split(";")[0]
         return result.returncode, job_id
 
+    def submit(self, script: str | os.PathLike, *args: str, env: dict[str, str] | None = None, cwd=None) -> str:
+        """``sbatch`` a script from ``cwd`` without waiting for it (to signal or requeue it meanwhile); its job id."""
+        result = subprocess.run(["sbatch", "--parsable", *args, str(script)], env={**self.env(), **(env or {})},
+                                capture_output=True, text=True, timeout=60, cwd=cwd)  # fmt: skip
+        if result.returncode != 0:
+            raise ClusterError(f"sbatch {script} failed ({result.returncode}): {result.stderr.strip()}")
+        return result.stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job``'s fields of ``job_id`` (``JobState``, ``Restarts``, ``NodeList``...); empty once the
+        controller has forgotten the job (``MinJobAge`` seconds after it ended)."""
+        result = self.run("scontrol", "show", "job", "--oneliner", job_id, check=False, timeout=30)
+        return dict(field.split("=", 1) for field in result.stdout.split() if "=" in field)
+
+    def wait_for(self, job_id: str, states: tuple[str, ...], timeout: float = 120.0) -> dict[str, str]:
+        """Poll until the job's ``JobState`` is one of ``states``; return its fields then, or raise ClusterError."""
+        deadline, fields = time.monotonic() + timeout, {}
+        while time.monotonic() < deadline:
+            fields = self.job(job_id)
+            if fields.get("JobState") in states:
+                return fields
+            time.sleep(0.2)
+        raise ClusterError(f"job {job_id} not in {states} after {timeout:.0f} s: {fields.get('JobState', 'forgotten')}")
+
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
