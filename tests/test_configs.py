@@ -154,6 +154,14 @@ def test_bad_model_config_says_what_to_change(change, message):
     assert message in str(error.value)
 
 
+def test_bad_latent_attention_says_what_to_change():
+    with pytest.raises(ValueError, match="kv_lora_rank must be a positive integer, got 0") as error:
+        dataclasses.replace(
+            configs.get_model("deepseek-v3"), latent_attention=configs.LatentAttention(-1, 0, 128, 64, 128)
+        )
+    assert "q_lora_rank must be 0 (no query latent) or a positive integer, got -1" in str(error.value)
+
+
 def test_every_problem_of_a_model_config_is_reported_at_once():
     with pytest.raises(ValueError) as error:
         dataclasses.replace(configs.get_model("gpt2"), d_model=-1, arch="rnn")
