@@ -224,3 +224,12 @@ def test_vocabulary_too_large_for_the_dtype_in_an_index_is_refused(prepared):
     with pytest.raises(ValueError, match="70,000 tokens is too large for uint16 .ids up to 65,535.; use uint32"):
         TokenShards(shards)
     assert np.iinfo(dtype_for(70_000)).max == 2**32 - 1 and dtype_for(256) == "uint8"
+
+
+def test_workers_that_cannot_start_raise_instead_of_hanging(tmp_path):
+    from concurrent.futures.process import BrokenProcessPool
+
+    pieces = iter([(("in.txt", [b"text"], False), 4)])
+    # Each worker loads the tokenizer when it starts; this one is missing, so none starts (a Pool would retry forever).
+    with pytest.raises(BrokenProcessPool):
+        list(prep._encoded(pieces, 2, str(tmp_path / "missing.json"), "uint16"))

@@ -34,6 +34,7 @@ import shutil
 import sys
 import tempfile
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -216,22 +217,27 @@ def _encode_piece(piece) -> np.ndarray:
 
 def _encoded(pieces, workers: int, tokenizer_spec: str, dtype: str):
     """``(tokens, size, continues)`` of each piece, in input order; encoded in ``workers`` spawned processes with
-    at most two pieces per worker in flight, or in this process when ``workers`` is 1."""
+    at most two pieces per worker in flight, or in this process when ``workers`` is 1. A worker's error is raised
+    here; a worker that dies (or cannot start) raises ``BrokenProcessPool`` instead of hanging, as a
+    ``multiprocessing.Pool`` would."""
     if workers == 1:
         _init_worker(tokenizer_spec, dtype)
         for piece, size in pieces:
             yield _encode_piece(piece), size, piece[2]
         return
-    with mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_spec, dtype)) as pool:
+    pool = ProcessPoolExecutor(workers, mp.get_context("spawn"), _init_worker, (tokenizer_spec, dtype))
+    try:
         in_flight = deque()
         for piece, size in pieces:
-            in_flight.append((pool.apply_async(_encode_piece, (piece,)), size, piece[2]))
+            in_flight.append((pool.submit(_encode_piece, piece), size, piece[2]))
             if len(in_flight) >= 2 * workers:
-                result, size, continues = in_flight.popleft()
-                yield result.get(), size, continues
+                future, size, continues = in_flight.popleft()
+                yield future.result(), size, continues
         while in_flight:
-            result, size, continues = in_flight.popleft()
-            yield result.get(), size, continues
+            future, size, continues = in_flight.popleft()
+            yield future.result(), size, continues
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 # ----- the output ---------------------------------------------------------------------------------------------
