@@ -6,6 +6,7 @@ their parameters counted: every count is exact, integer for integer.
 """
 
 import dataclasses
+import functools
 import os
 
 import pytest
@@ -57,10 +58,17 @@ def routed_expert_params(model) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
 
 
+@functools.cache
+def published_on_meta(name: str):
+    """The published model ``name`` built by Hugging Face on the meta device, once per test session."""
+    torch, transformers = pytest.importorskip("torch"), pytest.importorskip("transformers")
+    return hf_moe((torch, transformers), configs.get_model(name))
+
+
 @pytest.mark.parametrize("name", MOES)
 def test_total_params_match_hf(hf, name):
     cfg = configs.get_model(name)
-    model = hf_moe(hf, cfg)
+    model = published_on_meta(name)
     assert accounting.param_count(cfg) == sum(p.numel() for p in model.parameters())
 
 
@@ -69,7 +77,7 @@ def test_active_params_are_the_total_less_the_experts_a_token_skips(hf, name):
     # HF has no "active" count; from its tensors: every parameter outside the routed experts, plus k of
     # the E experts in each MoE layer. The last layer is always an MoE layer.
     cfg = configs.get_model(name)
-    model = hf_moe(hf, cfg)
+    model = published_on_meta(name)
     one_expert = sum(p[0].numel() for p in model.model.layers[-1].mlp.experts.parameters())
     assert one_expert == 3 * cfg.d_model * cfg.expert_d_ff
     other = sum(p.numel() for p in model.parameters()) - routed_expert_params(model)
@@ -92,7 +100,7 @@ def test_breakdown_matches_hf_groups(hf, name):
         "LM head": r"lm_head",
     }
     formula = {k: v for k, v in accounting.param_breakdown(cfg).items() if v}
-    assert measure.parameters_by_group(hf_moe(hf, cfg), groups) == {k: formula.get(k, 0) for k in groups}
+    assert measure.parameters_by_group(published_on_meta(name), groups) == {k: formula.get(k, 0) for k in groups}
 
 
 @pytest.mark.parametrize(
@@ -136,7 +144,7 @@ def test_the_hubs_685b_is_the_671b_model_plus_the_mtp_module():
 def test_mtp_module_is_one_more_moe_layer(hf):
     # The MTP module's layer has the shape of the model's MoE layers: HF's last layer, counted.
     cfg = configs.get_model("deepseek-v3")
-    layer = hf_moe(hf, cfg).model.layers[-1]
+    layer = published_on_meta("deepseek-v3").model.layers[-1]
     extra = 2 * cfg.d_model + 2 * cfg.d_model**2 + cfg.d_model  # enorm, hnorm, eh_proj, the head's norm
     assert params.mtp_param_count(cfg) == sum(p.numel() for p in layer.parameters()) + extra
 
