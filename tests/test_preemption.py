@@ -1,9 +1,9 @@
 """A run told to stop (SIGTERM at a preemption, SIGUSR1 before a time limit) finishes its step, saves, exits with
 ``EXIT_STOPPED``, and ``--resume`` continues it with the losses of a run that was never stopped, bit for bit.
 
-The signals are real (``os.kill``); to make the stopping step exact, the tests send them from inside the loop at a
-chosen step. Sent from outside at an arbitrary moment (the SLURM tests do that), the run stops after whichever step
-is in progress, and the same checks hold."""
+The signals are real (``os.kill``); to make the stopping step exact, most tests have the last rank send SIGUSR1 to
+itself after a chosen step (``--simulate-signal-at``). Sent from outside at an arbitrary moment (the last test here,
+and the SLURM tests), the run stops after whichever step is in progress, and the same checks hold."""
 
 import argparse
 import contextlib
@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from scalebook.comm import launch
-from scalebook.train import checkpoint, cli, loop
+from scalebook.train import checkpoint, cli
 from scalebook.train.preemption import EXIT_STOPPED, Stopped, StopSignals
 
 SMALL = ["--steps", "6", "--micro-batch", "1", "--global-batch", "4", "--seq-len", "32", "--no-progress"]
@@ -28,33 +28,15 @@ def args_of(argv: list[str], **changes) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(cli.build_parser().parse_args(argv)), **changes})
 
 
-@contextlib.contextmanager
-def signal_after_step(step: int, signum: int, ranks: tuple[int, ...] = (0,)):
-    """While active, the training loop sends ``signum`` to its own process after ``step``, on ``ranks`` only."""
-    real = loop.training_steps
-
-    def steps(model, *args, **kwargs):
-        rank = model.mesh.rank if model.mesh else 0
-        for record in real(model, *args, **kwargs):
-            if record.step == step and rank in ranks:
-                os.kill(os.getpid(), signum)  # delivered to the handler before the loop reads the record
-            yield record
-
-    loop.training_steps = steps
-    try:
-        yield
-    finally:
-        loop.training_steps = real
-
-
-def stop_and_resume(argv: list[str], ckpt: str, step: int, signum: int, ranks=(0,)) -> dict:
-    """An uninterrupted run of ``argv``; the same run signalled after ``step`` on ``ranks``; its resumption.
+def stop_and_resume(argv: list[str], ckpt: str, step: int) -> dict:
+    """An uninterrupted run of ``argv``; the same run with SIGUSR1 sent to its last rank after ``step``
+    (``--simulate-signal-at``); its resumption.
     What each gave: losses by step, the Stopped exception (its step, signal and exit code), the line printed on
     stderr, the step of the newest checkpoint after the stop."""
     full = {r.step: r.loss for r in cli.run(args_of(argv))}
     err = io.StringIO()
-    with signal_after_step(step, signum, ranks), contextlib.redirect_stderr(err), pytest.raises(Stopped) as stopped:
-        cli.run(args_of(argv, checkpoint_dir=ckpt))
+    with contextlib.redirect_stderr(err), pytest.raises(Stopped) as stopped:
+        cli.run(args_of(argv, checkpoint_dir=ckpt, simulate_signal_at=step))
     if dist.is_initialized():
         dist.barrier()  # rank 0 publishes the checkpoint after the others' part of the save; a new job starts later
     saved_at = checkpoint.latest_step(ckpt)
@@ -88,7 +70,7 @@ def test_the_handler_only_sets_a_flag_and_the_previous_handler_comes_back():
 
 
 def test_one_process_stops_after_the_signalled_step_and_resumes_bit_for_bit(tmp_path):
-    out = stop_and_resume(SMALL, str(tmp_path), 3, signal.SIGUSR1)
+    out = stop_and_resume(SMALL, str(tmp_path), 3)
     assert out["stopped"] == (3, "SIGUSR1", EXIT_STOPPED)
     said = f"stopping at step 3 on SIGUSR1: checkpoint saved in {tmp_path}; continue with --resume"
     assert out["said"].strip() == said
@@ -99,15 +81,15 @@ def test_one_process_stops_after_the_signalled_step_and_resumes_bit_for_bit(tmp_
 
 
 def _two_ranks(ckpt: str) -> dict:
-    return stop_and_resume([*SMALL, "--strategy", "ddp"], ckpt, 2, signal.SIGTERM, ranks=(1,))
+    return stop_and_resume([*SMALL, "--strategy", "ddp"], ckpt, 2)
 
 
 def test_two_ranks_agree_to_stop_when_only_one_is_signalled_and_resume_bit_for_bit(tmp_path):
     rank0, rank1 = launch(_two_ranks, 2, str(tmp_path), timeout=120)
-    # Rank 1 alone received SIGTERM after step 2; both stopped there (one all-reduce of the flag), so neither
+    # Rank 1 alone received SIGUSR1 after step 2; both stopped there (one all-reduce of the flag), so neither
     # waits in a collective the other skipped; rank 0 said so, once.
-    assert rank0["stopped"] == rank1["stopped"] == (2, "SIGTERM", EXIT_STOPPED)
-    assert rank0["said"].startswith("stopping at step 2 on SIGTERM: checkpoint saved") and rank1["said"] == ""
+    assert rank0["stopped"] == rank1["stopped"] == (2, "SIGUSR1", EXIT_STOPPED)
+    assert rank0["said"].startswith("stopping at step 2 on SIGUSR1: checkpoint saved") and rank1["said"] == ""
     assert rank0["saved_at"] == 2  # rank 0 writes `latest`, after every rank's file is on disk
     for out in (rank0, rank1):
         assert out["resumed"] == {step: out["full"][step] for step in (3, 4, 5, 6)}

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -83,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the book's GPT in any parallel layout, on CPUs (gloo) or GPUs (NCCL). "
         "Run directly for one process, or under torchrun / srun for several ranks. Every argument, path, the "
         "data and a --resume's checkpoint are checked before any rank starts work. Exit codes: 0 done (or "
-        "nothing to do), 1 the run failed or diverged, 2 invalid arguments.",
+        "nothing to do), 1 the run failed or diverged, 2 invalid arguments, 3 stopped by SIGTERM or SIGUSR1 "
+        "(saved: --resume continues).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("layout (dp x tp x pp x cp = the number of ranks)")
@@ -217,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="STEP",
         help="testing aid: the last rank exits with an error before STEP, on a job's first attempt "
         "only (TORCHELASTIC_RESTART_COUNT unset or 0), to exercise restarts and --resume",
+    )
+    g.add_argument(
+        "--simulate-signal-at",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="testing aid: the last rank alone sends itself SIGUSR1 after STEP, as SLURM does before a time "
+        "limit: every rank stops after that step, saves and exits with code 3; --resume continues",
     )
     return p  # fmt: skip
 
@@ -411,6 +421,8 @@ def _train(
                 if rank == 0:
                     print(f"{what}: its update skipped ({skipped} of --skip-nonfinite {args.skip_nonfinite})",
                           file=sys.stderr, flush=True)  # fmt: skip
+            if args.simulate_signal_at == record.step and rank == world_size - 1:
+                os.kill(os.getpid(), signal.SIGUSR1)  # --simulate-signal-at: to one rank, as a signal may arrive
             stop_signal = stop.agreed()  # one all-reduce: every rank stops after the same step (see preemption)
             due = record.step % args.checkpoint_every == 0 or record.step == args.steps or stop_signal
             if args.checkpoint_dir and due:
@@ -421,6 +433,8 @@ def _train(
             _fail_if_asked(args, record.step, rank, world_size)
             if stop_signal and record.step < args.steps:
                 stopped = Stopped(stop_signal, record.step, args.checkpoint_dir)
+                if checkpoints:
+                    checkpoints.wait()  # an asynchronous save is on disk before the line says so
                 if rank == 0:
                     print(stopped, file=sys.stderr, flush=True)
                 raise stopped
@@ -455,7 +469,6 @@ def run_local(
     ``timeout`` seconds the whole process group (launcher and ranks) is killed and TimeoutExpired raised,
     so no orphaned rank keeps running.
     """
-    import signal
     import subprocess
 
     if nproc < 1:
