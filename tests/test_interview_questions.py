@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from scalebook import accounting, configs
+from scalebook.accounting import roofline
 from scalebook.accounting.pipeline import bubble_fraction
 
 PAGE = Path(__file__).resolve().parent.parent / "book" / "interview-questions.md"
@@ -97,6 +98,19 @@ class Claim:
         return self.template.format(*(self.fmt.format(v()) for v in values))
 
 
+def _gpt3_layer_op(name: str, batch: int = 1, seq_len: int = 2048):
+    """Chapter 8's roofline: operator ``name`` of one GPT-3 175B layer in bf16."""
+    ops = roofline.gpt_layer_ops(batch, seq_len, _gpt3().d_model, _gpt3().n_heads, dtype_bytes=2)
+    return next(op for op in ops if op.name == name)
+
+
+def _decode_batch_at_the_ridge() -> int:
+    """Chapter 8, exercise 7: the smallest decoding batch whose MLP up-projection is compute-bound on an H100."""
+    bandwidth = configs.get_hardware("h100-sxm").hbm_bandwidth
+    return next(b for b in range(1, 4096)
+                if not roofline.memory_bound(_gpt3_layer_op("MLP up", b, 1), _h100_bf16(), bandwidth))  # fmt: skip
+
+
 def _pct(x: float) -> float:
     return 100 * x
 
@@ -145,28 +159,43 @@ CLAIMS = (
     Claim(23, "as MFU they are about {} to {} %", (lambda: 44 * 3 / 4, lambda: 52 * 3 / 4)),
     Claim(24, "so about {} GPUs",
           lambda: accounting.devices_needed(configs.get_model("llama-3-8b"), 15e12, 30, _h100_bf16(), 0.4)),
+    Claim(26, "a token is multiplied by {}B parameters",
+          lambda: accounting.active_param_count(configs.get_model("mixtral-8x7b")) / 1e9, "{:.1f}"),
+    Claim(26, "16 bytes $\\times$ {}B",
+          lambda: accounting.param_count(configs.get_model("mixtral-8x7b")) / 1e9, "{:.1f}"),
+    Claim(26, "= {} GB of model states",
+          lambda: accounting.model_state_bytes(configs.get_model("mixtral-8x7b")).total / GB),
+    Claim(26, "671B total, {}B active",
+          lambda: accounting.active_param_count(configs.get_model("deepseek-v3")) / 1e9, "{:.1f}"),
+    Claim(27, "a ridge point of about {} FLOPs per byte",
+          lambda: roofline.ridge_point(_h100_bf16(), configs.get_hardware("h100-sxm").hbm_bandwidth)),
+    Claim(27, "the weight matmuls reach about {} and are compute-bound", lambda: _gpt3_layer_op("MLP up").intensity,
+          "{:,.0f}"),
+    Claim(27, "unfused attention ($QK^\\top$ and $PV$ with the scores written to memory) about {}",
+          lambda: _gpt3_layer_op("attention scores QK^T").intensity),
+    Claim(27, "a batch of {} is needed to reach the ridge", lambda: _decode_batch_at_the_ridge()),
     Claim(25, "$N \\approx {}\\text{{B}}$ parameters",
           lambda: math.sqrt(accounting.training_flops(175e9, 300e9) / 120) / 1e9),
-    Claim(29, "all-gather inside: about {} s instead of {} s",
+    Claim(31, "all-gather inside: about {} s instead of {} s",
           (lambda: round(_hierarchical_all_reduce_seconds(), 1),
            lambda: round(_flat_all_reduce_seconds("infiniband-hdr"))),
           "{:g}"),
-    Claim(33, "For 7.5B on 64 GPUs: {}, {}, {} and {} GB",
+    Claim(35, "For 7.5B on 64 GPUs: {}, {}, {} and {} GB",
           tuple(lambda s=s: round(accounting.model_state_bytes(7.5e9, zero_stage=s, dp=64).total / GB, 1)
                 for s in range(4)), "{:g}"),
-    Claim(36, "gives $\\Psi \\le {}$ trillion", lambda: 40 * GB * 1024 / 16 / 1e12, "{:.2f}"),
-    Claim(36, "gives about {} billion", lambda: _largest_zero2_model(1024, 40 * GB) / 1e9),
-    Claim(38, "communication is about {} % of the layer's time at $t = 8$ on NVLink",
+    Claim(38, "gives $\\Psi \\le {}$ trillion", lambda: 40 * GB * 1024 / 16 / 1e12, "{:.2f}"),
+    Claim(38, "gives about {} billion", lambda: _largest_zero2_model(1024, 40 * GB) / 1e9),
+    Claim(40, "communication is about {} % of the layer's time at $t = 8$ on NVLink",
           lambda: _pct(_tp_layer_share(8, "nvlink-4", 3e-6))),
-    Claim(38, "and about {} % at $t = 16$ across InfiniBand",
+    Claim(40, "and about {} % at $t = 16$ across InfiniBand",
           lambda: _pct(_tp_layer_share(16, "infiniband-ndr", 6e-6))),
-    Claim(41, "{} % for $p = 4$, $m = 8$", lambda: _pct(bubble_fraction(4, 8))),
-    Claim(43, "from {} % to {} % for $p = 4$, $m = 8$, $v = 2$",
+    Claim(43, "{} % for $p = 4$, $m = 8$", lambda: _pct(bubble_fraction(4, 8))),
+    Claim(45, "from {} % to {} % for $p = 4$, $m = 8$, $v = 2$",
           (lambda: _pct(bubble_fraction(4, 8)), lambda: _pct(bubble_fraction(4, 8, virtual_stages=2)))),
-    Claim(44, "{} MB for GPT-3 at 2,048 tokens in bf16", lambda: 2048 * 12288 * 2 / 1e6),
-    Claim(47, "16M tokens of 8K sequences is {} sequences", lambda: 16 * 2**20 / 8192, "{:,.0f}"),
-    Claim(49, "\\approx {}$ s", lambda: _young_interval(30, 3 * 3600)),
-    Claim(49, "about {} % of the run", lambda: _pct(_young_lost_fraction(30, 3 * 3600, 300)), "{:.1f}"),
+    Claim(46, "{} MB for GPT-3 at 2,048 tokens in bf16", lambda: 2048 * 12288 * 2 / 1e6),
+    Claim(49, "16M tokens of 8K sequences is {} sequences", lambda: 16 * 2**20 / 8192, "{:,.0f}"),
+    Claim(51, "\\approx {}$ s", lambda: _young_interval(30, 3 * 3600)),
+    Claim(51, "about {} % of the run", lambda: _pct(_young_lost_fraction(30, 3 * 3600, 300)), "{:.1f}"),
 )  # fmt: skip
 
 # Percentages on the page that quote a paper or state a rule of thumb rather than restate a result the
