@@ -41,9 +41,10 @@ CHAPTERS = ["02_tokenization", "09_collective_communication", "11_zero_and_fsdp"
 RUN_CHAPTER = "02_tokenization"  # the quickest of them to run (about 10 s)
 RAW_MYST = ("{glue", "{eval", "{footcite", ":::{admonition")
 # JupyterLab settings for the test only: render every cell (the default windowing renders only those on
-# screen, so the others would have no text to check) and do not ask about news.
+# screen, so the others would have no text to check), never save a chapter, do not ask about news.
 SETTINGS = {
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"},
 }
 
