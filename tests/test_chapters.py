@@ -181,6 +181,7 @@ def test_the_lecture_notes_check_catches_what_it_must():
 
 
 GLUE_MIME = "application/papermill.record/text/plain"
+GLUE_ROLE = re.compile(r"\{glue(:\w*)?\}`")
 
 
 def number_problems(cells: list[dict]) -> list[str]:
@@ -199,9 +200,12 @@ def number_problems(cells: list[dict]) -> list[str]:
             if name is not None:
                 setattr(values, name, ast.literal_eval(out["data"][GLUE_MIME]))
     found = []
+    converted = any(eval_expressions("".join(c["source"])) for c in cells if c["cell_type"] == "markdown")
     for i, cell in enumerate(cells):
         if cell["cell_type"] != "markdown":
             continue
+        if converted and GLUE_ROLE.search("".join(cell["source"])):
+            found.append(f"cell {i}: a glue role, which JupyterLab cannot show: write {{eval}} (convert_numbers.py)")
         expressions = eval_expressions("".join(cell["source"]))
         stored = {e["expression"]: e["result"] for e in cell.get("metadata", {}).get("user_expressions", [])}
         if sorted(stored) != sorted(expressions):
@@ -253,3 +257,7 @@ def test_the_number_check_catches_stale_missing_and_typed_results():
         "metadata": {"user_expressions": [{"expression": "tb * 2", "result": ok("5.68")}]},
     }
     assert "NameError" in number_problems([glue_cell, other])[0]
+    mixed = {**prose, "source": prose["source"] + " Also {glue:text}`tb:.1f`."}
+    assert number_problems([glue_cell, mixed]) == [
+        "cell 1: a glue role, which JupyterLab cannot show: write {eval} (convert_numbers.py)"
+    ]
