@@ -52,7 +52,10 @@ def flops_per_token(model: ModelConfig | float, *, seq_len: int | None = None, r
         return (8 if recompute else 6) * params_of(model, active=True)
     _checks.require(_checks.model_config(model), _checks.positive_int(seq_len=seq_len))
     L, h = model.n_layers, model.d_model
-    weights = sum(layer_weights(model, i, active=True) for i in range(L))
+    # Two kinds of layer at most, dense ones first: one call per kind (the planner asks this thousands of times).
+    L_moe = model.n_moe_layers
+    kinds = ((0, L - L_moe), (L - L_moe, L_moe))  # (first layer of the kind, how many)
+    weights = sum(count * layer_weights(model, first, active=True) for first, count in kinds if count)
     layers_forward = 2 * weights + 2 * L * seq_len * _score_width(model)
     head_forward = 2 * h * model.vocab_size
     # 3 (2 L W + 4 L s h + 2 h V) [+ L (2 W + 4 s h) with recomputation]
