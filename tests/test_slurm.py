@@ -250,3 +250,25 @@ def test_both_scripts_share_their_environment_and_preemption_code_word_for_word(
     for script in ("train_single_node.sbatch", "train_multi_node.sbatch"):
         header = (ROOT / "slurm" / script).read_text()
         assert "#SBATCH --requeue\n#SBATCH --signal=B:USR1@120\n#SBATCH --open-mode=append\n" in header
+
+
+def test_readme_where_things_go_table_names_the_scripts_defaults():
+    readme = (ROOT / "slurm" / "README.md").read_text()
+    script = (ROOT / "slurm" / "train_single_node.sbatch").read_text()
+    as_readme = {"${SLURM_SUBMIT_DIR}/": "", "${SLURM_JOB_NAME}": "<job name>", "${SLURM_JOB_ID}": "<job id>",
+                 "%x": "<job name>", "%j": "<job id>"}  # fmt: skip
+
+    def readme_form(default: str) -> str:
+        for variable, placeholder in as_readme.items():
+            default = default.replace(variable, placeholder)
+        return default
+
+    output = re.search(r"#SBATCH --output=(\S+)", script).group(1)
+    assert f"| `{readme_form(output)}` | `#SBATCH --output` |" in readme
+    for name, suffix in (("CHECKPOINT_DIR", "/"), ("LOG_DIR", "/nccl_trace_rank_<N>")):
+        default = re.search(rf'{name}="\$\{{{name}:-(\S+)\}}"', script).group(1)
+        assert f"| `{readme_form(default)}{suffix}` | `{name}` |" in readme
+    # The preemption table's numbers are the scripts' settings.
+    assert "#SBATCH --signal=B:USR1@120" in script and "(`--signal=B:USR1@120`)" in readme
+    assert 'TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-90}"' in script
+    assert "`TORCH_ELASTIC_SHUTDOWN_TIMEOUT=90`" in readme
