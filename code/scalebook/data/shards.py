@@ -62,13 +62,10 @@ def check_dtype(dtype: str, vocab_size: int) -> None:
         )
 
 
-def sha256_of(path: str | os.PathLike, block: int = 1 << 22) -> str:
-    """The SHA-256 of a file's bytes, read in 4 MiB blocks."""
-    digest = hashlib.sha256()
+def sha256_of(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes (read in blocks, not whole)."""
     with open(path, "rb") as f:
-        while chunk := f.read(block):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def is_prepared(path: str | os.PathLike | None) -> bool:
