@@ -233,3 +233,12 @@ def test_workers_that_cannot_start_raise_instead_of_hanging(tmp_path):
     # Each worker loads the tokenizer when it starts; this one is missing, so none starts (a Pool would retry forever).
     with pytest.raises(BrokenProcessPool):
         list(prep._encoded(pieces, 2, str(tmp_path / "missing.json"), "uint16"))
+
+
+def test_a_saved_dataset_dict_prepares_its_train_split(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    rows = {"train": ["first row", "second row"], "test": ["held out"]}
+    DatasetDict({name: Dataset.from_dict({"text": texts}) for name, texts in rows.items()}).save_to_disk(tmp_path / "d")
+    prep.prepare(tmp_path / "d", "bytes", tmp_path / "out", val_fraction=0.0)
+    assert bytes(TokenShards(tmp_path / "out").tokens().tolist()) == b"first row\n\nsecond row"  # rows joined as files
