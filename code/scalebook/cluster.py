@@ -14,7 +14,10 @@ on one machine, each on its own port). Each declares 4 GPUs backed by empty file
 ``gpu``, so a batch script written for a GPU cluster (``#SBATCH --gres=gpu:4``) is accepted unchanged;
 the ranks it starts see no CUDA device and fall back to gloo on the CPU. There are no cgroups and no
 accounting database: jobs are tracked by process (``proctrack/linuxproc``), ``sbatch --wait`` reports
-their exit codes and ``scontrol show job`` their state.
+their exit codes and ``scontrol show job`` their state. :meth:`LocalCluster.submit` and
+:meth:`LocalCluster.wait_for` leave time in between to signal a running job (``scancel --signal=USR1 --batch``)
+or requeue it; SLURM holds a requeued job back about two minutes unless ``scontrol update JobId=N
+StartTime=now`` lets it start at once.
 
 Requires root (it starts daemons and edits ``/etc/hosts``) and the Debian packages ``slurm-wlm`` and
 ``munge``.
@@ -258,20 +261,19 @@ class LocalCluster:
 
         Extra ``args`` go to ``sbatch`` before the script.
         """
-        result = subprocess.run(
-            ["sbatch", "--parsable", "--wait", *args, str(script)],
-            env={**self.env(), **(env or {})}, capture_output=True, text=True, timeout=timeout, cwd=cwd,
-        )  # fmt: skip
-        job_id = result.stdout.strip().split(";")[0]
-        return result.returncode, job_id
+        result = self._sbatch(script, "--wait", *args, env=env, cwd=cwd, timeout=timeout)
+        return result.returncode, result.stdout.strip().split(";")[0]
 
     def submit(self, script: str | os.PathLike, *args: str, env: dict[str, str] | None = None, cwd=None) -> str:
         """``sbatch`` a script from ``cwd`` without waiting for it (to signal or requeue it meanwhile); its job id."""
-        result = subprocess.run(["sbatch", "--parsable", *args, str(script)], env={**self.env(), **(env or {})},
-                                capture_output=True, text=True, timeout=60, cwd=cwd)  # fmt: skip
+        result = self._sbatch(script, *args, env=env, cwd=cwd, timeout=60)
         if result.returncode != 0:
             raise ClusterError(f"sbatch {script} failed ({result.returncode}): {result.stderr.strip()}")
         return result.stdout.strip().split(";")[0]
+
+    def _sbatch(self, script, *args: str, env, cwd, timeout: float) -> subprocess.CompletedProcess:
+        return subprocess.run(["sbatch", "--parsable", *args, str(script)], env={**self.env(), **(env or {})},
+                              capture_output=True, text=True, timeout=timeout, cwd=cwd)  # fmt: skip
 
     def job(self, job_id: str) -> dict[str, str]:
         """``scontrol show job``'s fields of ``job_id`` (``JobState``, ``Restarts``, ``NodeList``...); empty once the
