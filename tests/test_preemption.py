@@ -15,6 +15,7 @@ import sys
 import threading
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from scalebook.comm import launch
@@ -70,7 +71,12 @@ def test_the_handler_only_sets_a_flag_and_the_previous_handler_comes_back():
 
 
 def test_one_process_stops_after_the_signalled_step_and_resumes_bit_for_bit(tmp_path):
-    out = stop_and_resume(SMALL, str(tmp_path), 3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a launched rank: 2 threads on 2 busy cores only slow the three runs down
+    try:
+        out = stop_and_resume(SMALL, str(tmp_path), 3)
+    finally:
+        torch.set_num_threads(threads)
     assert out["stopped"] == (3, "SIGUSR1", EXIT_STOPPED)
     said = f"stopping at step 3 on SIGUSR1: checkpoint saved in {tmp_path}; continue with --resume"
     assert out["said"].strip() == said
