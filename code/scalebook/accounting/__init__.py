@@ -13,6 +13,8 @@ chapters check these numbers against.
     comm     bytes_sent_per_rank, alpha_beta_time, data_parallel_bytes_per_step,
              tensor_parallel_bytes_per_layer
     pipeline bubble_fraction, peak_in_flight, p2p_bytes_per_step, balanced_partition, stage_memory
+    precision format_bytes (fp8 with its scales), deepseek_v3_state_bytes
+    roofline gpt_layer_ops, matmul_cost, ridge_point, attainable_flops, memory_bound (arithmetic intensity)
 
 Source: Rajbhandari et al. 2020 (ZeRO); Korthikanti et al. 2022 (activation recomputation);
 Kaplan et al. 2020 and Narayanan et al. 2021 (FLOPs); Chowdhery et al. 2022 (MFU).
@@ -45,6 +47,7 @@ from scalebook.accounting.params import (
     param_count_closed_form,
 )
 from scalebook.accounting.pipeline import bubble_fraction
+from scalebook.accounting.precision import deepseek_v3_state_bytes, format_bytes
 from scalebook.accounting.time import devices_needed, mfu, training_days
 
 __all__ = [
@@ -60,8 +63,10 @@ __all__ = [
     "bubble_fraction",
     "bytes_sent_per_rank",
     "data_parallel_bytes_per_step",
+    "deepseek_v3_state_bytes",
     "devices_needed",
     "flops_per_token",
+    "format_bytes",
     "kv_cache_bytes",
     "layer_weights",
     "mfu",
