@@ -260,6 +260,45 @@ class Checkpointer:
         dcp.load(state, checkpoint_id=step_dir(self.root, step), no_dist=_no_dist())
 
 
+class RunCheckpoints:
+    """A training run's checkpoints, through a :class:`Checkpointer`: the model's and optimizer's state
+    (:meth:`~scalebook.parallel.parallelize.ParallelModel.state_dict`, each rank its part) and the run's own,
+    the same on every rank: the data generator, the step and the losses so far. Written by any layout, read
+    by any other. ``args`` are ``python -m scalebook.train``'s (their ``--checkpoint-dir``, ``--keep-last``,
+    ``--async-save``, and the settings the manifest records)."""
+
+    def __init__(self, args, model, generator: torch.Generator):
+        from scalebook.train.preflight import model_config
+
+        meta = {"args": vars(args), "world_size": model.dims.world_size, "config": model_config(args).to_dict()}
+        self.model, self.generator = model, generator
+        self.checkpointer = Checkpointer(args.checkpoint_dir, meta, keep_last=args.keep_last,
+                                         async_save=args.async_save)  # fmt: skip
+
+    def _state(self, step: int, losses: list[float]) -> dict:
+        losses = torch.tensor(losses, dtype=torch.float64)
+        return {**self.model.state_dict(), "train.generator": self.generator.get_state(),
+                "train.step": torch.tensor(step), "train.losses": losses}  # fmt: skip
+
+    def save(self, step: int, losses: list[float]) -> None:
+        self.checkpointer.save(self._state(step, losses), step)
+
+    def resume(self, start: int) -> list[float]:
+        """Load checkpoint ``start`` (the pre-flight's newest intact one; 0: none) into the model and the data
+        generator; the losses so far."""
+        if not start:
+            return []
+        state = self._state(start, [0.0] * start)  # tensors of this layout's shapes, for DCP to fill
+        self.checkpointer.load(state, start)
+        self.model.load_state_dict(state)
+        self.generator.set_state(state["train.generator"])
+        return state["train.losses"].tolist()
+
+    def wait(self) -> None:
+        """Let an asynchronous save finish and publish it."""
+        self.checkpointer.wait()
+
+
 def consolidate(root: str | os.PathLike, step: int | None = None) -> tuple[dict, dict]:
     """The full model state dict of checkpoint ``step`` (default: the latest) on this one process, checked
     against its manifest, and its metadata: the model size, its ``GPTConfig`` as a dict, the step and the

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from scalebook.train.checkpoint import RunCheckpoints
 from scalebook.train.preflight import STRATEGIES, Plan, layout, model_config, preflight
 
 __all__ = ["LocalRun", "TrainingDiverged", "build_parser", "layout", "main", "run", "run_local"]
@@ -296,43 +297,6 @@ def _diverged(args, what: str, last_good: int | None) -> TrainingDiverged:
                             "--skip-nonfinite N skip up to N such steps")  # fmt: skip
 
 
-class _Checkpoints:
-    """The run's checkpoints (:class:`~scalebook.train.checkpoint.Checkpointer`): the model's and optimizer's state
-    (:meth:`ParallelModel.state_dict`, each rank its part) and the run's own, the same on every rank: the data
-    generator, the step and the losses so far. Written by any layout, read by any other."""
-
-    def __init__(self, args, model, generator: torch.Generator):
-        from scalebook.train.checkpoint import Checkpointer
-
-        meta = {"args": vars(args), "world_size": model.dims.world_size, "config": model_config(args).to_dict()}
-        self.model, self.generator = model, generator
-        self.checkpointer = Checkpointer(args.checkpoint_dir, meta, keep_last=args.keep_last,
-                                         async_save=args.async_save)  # fmt: skip
-
-    def _state(self, step: int, losses: list[float]) -> dict:
-        losses = torch.tensor(losses, dtype=torch.float64)
-        return {**self.model.state_dict(), "train.generator": self.generator.get_state(),
-                "train.step": torch.tensor(step), "train.losses": losses}  # fmt: skip
-
-    def save(self, step: int, losses: list[float]) -> None:
-        self.checkpointer.save(self._state(step, losses), step)
-
-    def resume(self, start: int) -> list[float]:
-        """Load checkpoint ``start`` (the pre-flight's newest intact one; 0: none) into the model and the data
-        generator; the losses so far."""
-        if not start:
-            return []
-        state = self._state(start, [0.0] * start)  # tensors of this layout's shapes, for DCP to fill
-        self.checkpointer.load(state, start)
-        self.model.load_state_dict(state)
-        self.generator.set_state(state["train.generator"])
-        return state["train.losses"].tolist()
-
-    def wait(self) -> None:
-        """Let an asynchronous save finish and publish it."""
-        self.checkpointer.wait()
-
-
 def _fail_if_asked(args, step: int, rank: int, world_size: int) -> None:
     """``--simulate-failure-at``: the last rank dies before step ``step + 1`` on the job's first attempt."""
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
@@ -377,7 +341,7 @@ def run(args: argparse.Namespace, plan: Plan | None = None) -> list:
                         foreach=False)  # fmt: skip
     tokens = data.load_tokens(args.data)  # a prepared folder is memory-mapped: each rank reads only its rows
     generator = torch.Generator().manual_seed(args.seed)
-    checkpoints = _Checkpoints(args, model, generator) if args.checkpoint_dir else None
+    checkpoints = RunCheckpoints(args, model, generator) if args.checkpoint_dir else None
     losses = checkpoints.resume(plan.start) if checkpoints else []
     log = _Log(args, dims, env.rank, plan.start)
     per_replica = args.micro_batch * dims.micro_batches
@@ -397,7 +361,7 @@ def run(args: argparse.Namespace, plan: Plan | None = None) -> list:
 
 
 def _train(
-    args, model, next_batch, checkpoints: _Checkpoints | None, cfg, start: int, losses: list[float], log: _Log
+    args, model, next_batch, checkpoints: RunCheckpoints | None, cfg, start: int, losses: list[float], log: _Log
 ) -> list:
     """The loop of :func:`run`: steps, logging, checkpoints, the non-finite steps' verdicts, and a stop on SIGTERM or
     SIGUSR1 (:mod:`scalebook.train.preemption`): save, then raise its :class:`~scalebook.train.preemption.Stopped`."""
