@@ -5,10 +5,15 @@ does). Headless Chromium, driven over the DevTools protocol (tests/test_browser.
 to another host is failed), opens converted chapters. Once jupyterlab-myst has rendered them, each markdown
 cell's rendered text must hold the number every ``{eval}`` shows (the result stored in the cell, computed by
 the cells) and none of the raw MyST that JupyterLab's own renderer would leave: ``{glue``, ``{eval``,
-``{footcite``, ``:::{admonition``. A screenshot of each chapter, at its first number, goes to the test's tmp
-folder. Then one chapter's code cells run through the server as the front end runs them (a REST session,
-then execute requests on the kernel's websocket), without an error, and its markdown cells' expressions
-evaluated by that live kernel show what the notebook stores.
+``{footcite``, ``:::{admonition``. Two screenshots of each chapter, at its first number and at its closing
+References, go to the test's tmp folder. Then one chapter's code cells run through the server as the front end
+runs them (a REST session, then execute requests on the kernel's websocket), without an error, and its markdown
+cells' expressions evaluated by that live kernel show what the notebook stores.
+
+Citations and links: a chapter's closing ``% footbibliography`` line (the site's footnote list, see
+book/_ext/footbibliography_marker.py) renders as nothing, so no red "Unknown Directive" box may show, nor a raw
+``{doc}`` role or its bare target; the links to other pages (Markdown links to their .ipynb / .md files) open
+those files in JupyterLab. The ``{footcite}`` keys show bare (jupyterlab-myst 2.7.0 resolves no key from a .bib).
 
 Needs /usr/bin/chromium; skipped with a reason when it is absent.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -36,10 +42,13 @@ pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parent.parent
 JUPYTER = Path(sys.executable).with_name("jupyter")
-# Converted chapters (numbers as {eval}); the lead adds 07 once it is converted.
-CHAPTERS = ["02_tokenization", "09_collective_communication", "11_zero_and_fsdp"]
+# Converted chapters (numbers as {eval}); the lead adds 07 once it is converted. The cheat sheet links to most pages.
+CHAPTERS = ["02_tokenization", "09_collective_communication", "11_zero_and_fsdp", "cheat_sheet"]
 RUN_CHAPTER = "02_tokenization"  # the quickest of them to run (about 10 s)
-RAW_MYST = ("{glue", "{eval", "{footcite", ":::{admonition")
+RAW_MYST = ("{glue", "{eval", "{footcite", ":::{admonition", "{doc}", "{footbibliography")
+# The titles of jupyterlab-myst's red boxes for a directive or a role it does not know.
+ERROR_BOXES = ("Unknown Directive", "Unknown Role")
+DOC_TARGET = re.compile(r"\{doc\}`(?:[^`<]*<)?([^`>]+?)>?`")
 # JupyterLab settings for the test only: render every cell (the default windowing renders only those on
 # screen, so the others would have no text to check), never save a chapter, do not ask about news.
 SETTINGS = {
@@ -131,6 +140,14 @@ JS_RENDERED = """Array.from(document.querySelectorAll('.jp-Notebook .jp-Cell')).
   cell.classList.contains('jp-MarkdownCell') ? (cell.querySelector('.lm-Widget.myst') || {}).textContent ?? null
                                              : '')"""
 
+# The repository paths that the rendered markdown's links to files point at (jupyterlab-myst resolves a relative
+# link to the server's /files/ URL; a click opens the file in JupyterLab).
+JS_FILE_LINKS = """Array.from(document.querySelectorAll('.jp-Notebook .jp-MarkdownCell .myst a[href*="/files/"]')).map(
+  a => decodeURIComponent(new URL(a.href).pathname.split('/files/')[1]))"""
+# The cheat sheet's link to Chapter 6, which the test clicks.
+JS_CHAPTER_6_LINK = """Array.from(document.querySelectorAll('.jp-Notebook .jp-MarkdownCell a')).find(
+  a => a.getAttribute('href').includes('/files/notebooks/06_counting_parameters.ipynb'))"""
+
 
 def rendering_problems(cells: list[dict], rendered: list) -> list[str]:
     """What a chapter's rendered markdown lacks or shows raw, in words; empty when it reads as on the site."""
@@ -148,6 +165,9 @@ def rendering_problems(cells: list[dict], rendered: list) -> list[str]:
             if expression not in stored or shown_text(stored[expression]) not in text:
                 found.append(f"cell {i}: {expression} is not shown")
         found += [f"cell {i}: raw {raw!r}" for raw in RAW_MYST if raw in text]
+        found += [f"cell {i}: {box!r} box" for box in ERROR_BOXES if box in text]
+        targets = DOC_TARGET.findall("".join(cell["source"]))
+        found += [f"cell {i}: raw {{doc}} target {target!r}" for target in targets if target in text]
     return found
 
 
@@ -155,18 +175,30 @@ def test_chapters_render_their_numbers_answers_and_citations(lab, browser, tmp_p
     for name in CHAPTERS:
         cells = read_cells(name)
         n_numbers = sum(len(c["metadata"].get("user_expressions", [])) for c in cells)
-        assert n_numbers > 10, f"{name} has {n_numbers} numbers in prose: is it converted to {{eval}}?"
+        assert n_numbers > 5, f"{name} has {n_numbers} numbers in prose: is it converted to {{eval}}?"
         browser.open(f"{lab.url}/lab/tree/notebooks/{name}.ipynb?token={lab.token}&reset", timeout=60)
         ready = f"(() => {{ const r = {JS_RENDERED}; return r.length === {len(cells)} && !r.includes(null); }})()"
         browser.wait_for(ready, timeout=60)
         browser.pump(1.0)  # the inline expressions render after their cell
         problems = rendering_problems(cells, browser.evaluate(JS_RENDERED))
+        problems += [f"a link to {path}, which is no file" for path in browser.evaluate(JS_FILE_LINKS)
+                     if not (REPO / path).is_file()]  # fmt: skip
         first = next(i for i, c in enumerate(cells) if c["metadata"].get("user_expressions"))
         browser.evaluate(f"document.querySelectorAll('.jp-Notebook .jp-Cell')[{first}].scrollIntoView(); true")
         browser.pump(0.5)
         browser.screenshot(tmp_path / f"lab-{name}.png")
+        closing = next(i for i, c in enumerate(cells) if "% footbibliography" in "".join(c["source"]))
+        at_end = "const e = Array.from(c.querySelectorAll('.myst *')).pop(); e.scrollIntoView({block: 'end'}); true"
+        browser.evaluate(f"(c => {{ {at_end} }})(document.querySelectorAll('.jp-Notebook .jp-Cell')[{closing}])")
+        browser.pump(0.5)
+        browser.screenshot(tmp_path / f"lab-{name}-references.png")
         assert problems == [], f"{name} in JupyterLab (screenshot {tmp_path / f'lab-{name}.png'})"
         assert not browser.blocked, f"{name}: JupyterLab asked another host for {browser.blocked}"
+        if name == "cheat_sheet":  # its link to a chapter opens that chapter in JupyterLab, as on the site
+            browser.evaluate(f"{JS_CHAPTER_6_LINK}.click(); true")
+            opened = "location.pathname.endsWith('/lab/tree/notebooks/06_counting_parameters.ipynb')"
+            assert browser.wait_for(opened, timeout=30), f"the link opened {browser.evaluate('location.href')}"
+    assert "cheat_sheet" in CHAPTERS, "the link check above needs the cheat sheet"
     if os.environ.get("LAB_SHOTS"):  # copy the screenshots for review
         for png in tmp_path.glob("lab-*.png"):
             shutil.copy(png, Path(os.environ["LAB_SHOTS"]) / png.name)
@@ -182,6 +214,14 @@ def test_the_rendering_check_names_what_is_missing_or_raw():
     assert rendering_problems(cells, ["It is glued.x.", ""]) == ["cell 0: glued.x is not shown"]
     assert rendering_problems(cells, ["It is 42 {footcite}`a`.", ""]) == ["cell 0: raw '{footcite'"]
     assert rendering_problems(cells, [None, ""]) == ["cell 0: not rendered"]
+    closing = "## References\n\n```{footbibliography}\n```\n\nAll on the {doc}`../book/bibliography` page."
+    cells[0]["source"] = "It is {eval}`glued.x`. " + closing
+    shown = "It is 42. References footbibliography - Unknown Directive All on the ../book/bibliography page."
+    assert rendering_problems(cells, [shown, ""]) == [
+        "cell 0: 'Unknown Directive' box", "cell 0: raw {doc} target '../book/bibliography'"]  # fmt: skip
+    converted = "## References\n\n% footbibliography\n\nAll on the [References](../book/bibliography.md) page."
+    cells[0]["source"] = "It is {eval}`glued.x`. " + converted
+    assert rendering_problems(cells, ["It is 42. References All on the References page.", ""]) == []
 
 
 class Kernel:
