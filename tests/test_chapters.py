@@ -261,3 +261,52 @@ def test_the_number_check_catches_stale_missing_and_typed_results():
     assert number_problems([glue_cell, mixed]) == [
         "cell 1: a glue role, which JupyterLab cannot show: write {eval} (convert_numbers.py)"
     ]
+
+
+FOOTBIBLIOGRAPHY_DIRECTIVE = re.compile(r"^```\{footbibliography\}", re.M)
+FOOTBIBLIOGRAPHY_MARKER = re.compile(r"^% footbibliography[ \t]*$", re.M)
+DOC_ROLE = re.compile(r"\{doc\}`")
+
+
+def lab_citation_problems(cells: list[dict]) -> list[str]:
+    """Where a notebook read in JupyterLab would show a citation aid broken, in words (chapters in {eval} only).
+
+    jupyterlab-myst draws ``{footbibliography}`` as a red "Unknown Directive" box and a ``{doc}`` role as its bare
+    target. A chapter converted to ``{eval}`` (so meant for JupyterLab too) closes with the comment line
+    ``% footbibliography`` instead, which book/_ext/footbibliography_marker.py turns into the directive on the
+    site, and links to pages with Markdown links to their files (/work/briefs/s3/convert_citations.py does both).
+    """
+    from scalebook.notebook import eval_expressions
+
+    texts = ["".join(c["source"]) if c["cell_type"] == "markdown" else "" for c in cells]
+    if not any(eval_expressions(text) for text in texts):
+        return []
+    found = [f"cell {i}: a {{footbibliography}} directive: write the line '% footbibliography' (convert_citations.py)"
+             for i, text in enumerate(texts) if FOOTBIBLIOGRAPHY_DIRECTIVE.search(text)]  # fmt: skip
+    found += [f"cell {i}: a {{doc}} role: write a Markdown link to the file (convert_citations.py)"
+              for i, text in enumerate(texts) if DOC_ROLE.search(text)]  # fmt: skip
+    n_markers = sum(len(FOOTBIBLIOGRAPHY_MARKER.findall(text)) for text in texts)
+    if n_markers != 1:
+        found.append(f"{n_markers} '% footbibliography' lines (want one, in the References cell)")
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_citations_and_page_links_read_in_jupyterlab_too(path):
+    assert lab_citation_problems(json.loads(path.read_text(encoding="utf8"))["cells"]) == []
+
+
+def test_the_citation_check_names_the_directive_the_role_and_a_missing_list():
+    def md(text):
+        return {"cell_type": "markdown", "source": text, "metadata": {}}
+
+    number = md("It is {eval}`glued.x`.")
+    closing = "## References\n\n% footbibliography\n\nAll on the [References](../book/bibliography.md) page."
+    assert lab_citation_problems([number, md(closing)]) == []
+    old = "## References\n\n```{footbibliography}\n```\n\nAll on the {doc}`../book/bibliography` page."
+    assert lab_citation_problems([number, md(old)]) == [
+        "cell 1: a {footbibliography} directive: write the line '% footbibliography' (convert_citations.py)",
+        "cell 1: a {doc} role: write a Markdown link to the file (convert_citations.py)",
+        "0 '% footbibliography' lines (want one, in the References cell)",
+    ]
+    assert lab_citation_problems([md("It is {glue:text}`x`."), md(old)]) == []  # not converted yet
