@@ -410,3 +410,25 @@ def test_cp_is_offered_as_it_works():
     for message, argv in refused.items():
         with pytest.raises(ValueError, match=message):
             cli.layout(cli.build_parser().parse_args(argv), 2 * (1 + ("--pp" in argv)))
+
+
+def test_the_state_dict_gives_a_parameter_without_optimizer_state_zeros_and_leaves_the_rest_alone():
+    """A parameter that never had a gradient has no AdamW state, yet a checkpoint (and a load in another layout)
+    needs its tensors: one step at lr 0 creates them, with no gradient for the others, so theirs do not move."""
+    from scalebook.model import GPT, GPTConfig
+    from scalebook.parallel.parallelize import ParallelModel
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig.named("tiny"))
+    model = ParallelModel(gpt, torch.optim.AdamW(gpt.parameters(), lr=1e-3))
+    x = torch.randint(0, 256, (2, 16))
+    model.forward_backward(x, x)
+    gpt.wpe.weight.grad = None  # as if it had no gradient in every step so far
+    model.step()
+    before = {k: v.clone() for k, v in model.optimizer.state[gpt.wte.weight].items()}
+    weights = {name: p.detach().clone() for name, p in gpt.named_parameters()}
+    state = model.state_dict()
+    assert not state["optim.wpe.weight.exp_avg"].any() and not state["optim.wpe.weight.exp_avg_sq"].any()
+    for key, value in before.items():
+        assert torch.equal(state[f"optim.wte.weight.{key}"], value), key  # step 1 stays step 1
+    assert all(torch.equal(p, weights[name]) for name, p in gpt.named_parameters())

@@ -224,20 +224,26 @@ def _slice_back(layout: _Layout, shard: torch.Tensor, flat, offset: int, param) 
 
 
 def _init_optimizer_state(pm) -> None:
-    """Give every parameter its optimizer state (zeros, before the first step) so that a load has tensors to
-    fill: one step with zero gradients at a learning rate of 0, which leaves the weights as they are
-    (``torch.distributed.checkpoint.state_dict`` does the same)."""
+    """Give every parameter that has none its optimizer state (zeros: before the first step, or a parameter that
+    never had a gradient) so that a load has tensors to fill: one step at a learning rate of 0 with zero gradients
+    for those parameters and none for the others, which the optimizer skips; the weights stay as they are
+    (``torch.distributed.checkpoint.state_dict`` does the same). ZeRO-1's inner optimizer steps one flat shard:
+    all of its state exists, or none."""
     from scalebook.parallel.zero import ZeroRedundancyOptimizer
 
-    inner = pm.optimizer.optim if isinstance(pm.optimizer, ZeroRedundancyOptimizer) else pm.optimizer  # ZeRO-1's
-    if all(inner.state.get(p) for group in inner.param_groups for p in group["params"]):
-        return
     params = [p for group in pm.optimizer.param_groups for p in group["params"]]
+    if isinstance(pm.optimizer, ZeroRedundancyOptimizer):
+        inner = pm.optimizer.optim
+        missing = set() if all(inner.state.get(s) for g in inner.param_groups for s in g["params"]) else set(params)
+    else:
+        missing = {p for p in params if not pm.optimizer.state.get(p)}
+    if not missing:
+        return
     lrs = [group["lr"] for group in pm.optimizer.param_groups]
     for group in pm.optimizer.param_groups:
         group["lr"] = 0.0
     for p in params:
-        p.grad = torch.zeros_like(p)
+        p.grad = torch.zeros_like(p) if p in missing else None
     pm.optimizer.step()
     pm.optimizer.zero_grad(set_to_none=True)
     for group, lr in zip(pm.optimizer.param_groups, lrs, strict=True):
