@@ -5,6 +5,7 @@ returns the figure; every public function is re-exported here, so ``plots.step_t
     training       loss curves; measured against predicted scaling on log axes
     language       vocabulary-size trade-off; next-token distributions under sampling settings
     embeddings     similarity heatmaps; labelled 2-D maps
+    hardware       GPU generations by year: 16-bit FLOP/s, HBM capacity and bandwidth, NVLink
     attention      attention maps; softmax saturation against head width
     memory         what a device holds against its capacity; ZeRO's bytes per parameter
     communication  collectives before and after; one data-parallel step's timeline
@@ -20,6 +21,7 @@ Source: matplotlib documentation, "Customizing Matplotlib with style sheets and 
 from scalebook.plots.attention import attention_map, attention_map_grid, softmax_saturation
 from scalebook.plots.communication import collective_before_after, step_timeline
 from scalebook.plots.embeddings import labelled_scatter, similarity_heatmap
+from scalebook.plots.hardware import hardware_growth, hardware_numbers
 from scalebook.plots.language import cumulative_mass, next_token_bars, vocab_tradeoff
 from scalebook.plots.memory import memory_bars, memory_total_and_share, zero_memory_vs_dp
 from scalebook.plots.parallel import expert_load_imbalance, measured_vs_formula_bars, tensor_parallel_times
@@ -36,6 +38,8 @@ __all__ = [
     "cumulative_mass",
     "expert_load_imbalance",
     "figure_and_axes",
+    "hardware_growth",
+    "hardware_numbers",
     "labelled_scatter",
     "loglog_scaling",
     "loss_curve",
