@@ -310,3 +310,18 @@ def test_the_citation_check_names_the_directive_the_role_and_a_missing_list():
         "0 '% footbibliography' lines (want one, in the References cell)",
     ]
     assert lab_citation_problems([md("It is {glue:text}`x`."), md(old)]) == []  # not converted yet
+
+
+FOOTCITE = re.compile(r"\{footcite(?::\w+)?\}`([^`]+)`")
+
+
+def test_the_site_lists_the_works_each_page_cites_as_footnotes(book_html):
+    """On the site the closing ``% footbibliography`` line is the footnote list (book/_ext/footbibliography_marker.py
+    expands it to sphinxcontrib-bibtex's directive): one footnote per work the page cites, none lost."""
+    counts = {}
+    for path in NOTEBOOKS:
+        cited = {key.strip() for keys in FOOTCITE.findall(markdown(path)) for key in keys.split(",")}
+        html = (book_html / "notebooks" / f"{path.stem}.html").read_text(encoding="utf8")
+        counts[path.stem] = (len(cited), html.count('<aside class="footnote brackets"'))
+    assert all(cited > 0 for cited, _ in counts.values()), counts
+    assert {name: shown for name, (_, shown) in counts.items()} == {name: n for name, (n, _) in counts.items()}
