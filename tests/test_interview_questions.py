@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
-from scalebook import accounting, configs
+from scalebook import accounting, configs, flash, precision
 from scalebook.accounting import roofline
 from scalebook.accounting.pipeline import bubble_fraction
+from scalebook.accounting.precision import DEEPSEEK_V3_STATES
 
 PAGE = Path(__file__).resolve().parent.parent / "book" / "interview-questions.md"
 GB, TB = 1e9, 1e12
@@ -111,11 +113,26 @@ def _decode_batch_at_the_ridge() -> int:
                 if not roofline.memory_bound(_gpt3_layer_op("MLP up", b, 1), _h100_bf16(), bandwidth))  # fmt: skip
 
 
+def _llama3_70b():
+    return configs.get_model("llama-3-70b")
+
+
 def _pct(x: float) -> float:
     return 100 * x
 
 
 CLAIMS = (
+    Claim(14, "an H100 SM has {} KB", lambda: configs.get_hardware("h100-sxm").smem_per_sm_bytes / 1024),
+    Claim(14, "room for blocks of {} keys at head width 128",
+          lambda: flash.flash_block_sizes(configs.get_hardware("h100-sxm"), 128)[1]),
+    Claim(15, "128k-token sequence would take {} GB",
+          lambda: accounting.kv_cache_bytes(_llama3_70b(), seq_len=131072, n_kv_heads=_llama3_70b().n_heads) / GB),
+    Claim(15, "cuts it to {} GB", lambda: accounting.kv_cache_bytes(_llama3_70b(), seq_len=131072) / GB),
+    Claim(15, "against {} GB of weights", lambda: 2 * accounting.param_count(_llama3_70b()) / GB),
+    Claim(30, "$2^{{-13}} \\approx {} \\times 10^{{-4}}$",
+          lambda: 1e4 * precision.float_format("bf16").ulp(torch.tensor(0.02)).item(), "{:.1f}"),
+    Claim(30, "DeepSeek-V3's model states are {} bytes per parameter",
+          lambda: sum(b for _, b in DEEPSEEK_V3_STATES)),
     Claim(1, "2.8 TB for 175B parameters, {} GPUs of 80 GB",
           lambda: accounting.model_state_bytes(175e9).total / (80 * GB)),
     Claim(1, "{} TB for 175B parameters", lambda: accounting.model_state_bytes(175e9).total / TB, "{:.1f}"),
@@ -134,68 +151,68 @@ CLAIMS = (
     Claim(12, "SwiGLU MLP holds about {} % of a large model",
           lambda: _pct(accounting.param_breakdown(configs.get_model("llama-3-70b"))["MLP weights"]
                        / accounting.param_count(configs.get_model("llama-3-70b")))),
-    Claim(14, "for GPT-2 the exact count is {}", lambda: accounting.param_count(configs.get_model("gpt2")), "{:,}"),
-    Claim(15, "{} % low for a 125M GPT-3",
+    Claim(16, "for GPT-2 the exact count is {}", lambda: accounting.param_count(configs.get_model("gpt2")), "{:,}"),
+    Claim(17, "{} % low for a 125M GPT-3",
           lambda: _pct(1 - 12 * 12 * 768**2 / accounting.param_count(configs.get_model("gpt3-125m")))),
-    Claim(15, "only {} % for GPT-3 175B", lambda: _pct(1 - 12 * 96 * 12288**2 / accounting.param_count(_gpt3())),
+    Claim(17, "only {} % for GPT-3 175B", lambda: _pct(1 - 12 * 96 * 12288**2 / accounting.param_count(_gpt3())),
           "{:.1f}"),
-    Claim(17, "$16 \\times 7 \\times 10^9 = {}$ GB", lambda: accounting.model_state_bytes(7e9).total / GB),
-    Claim(17, "$4\\Psi + 12\\Psi/8 = {}$ GB",
+    Claim(19, "$16 \\times 7 \\times 10^9 = {}$ GB", lambda: accounting.model_state_bytes(7e9).total / GB),
+    Claim(19, "$4\\Psi + 12\\Psi/8 = {}$ GB",
           lambda: accounting.model_state_bytes(7e9, zero_stage=1, dp=8).total / GB, "{:.1f}"),
-    Claim(18, "about {} tokens for GPT-3", lambda: round(34 * 12288 / (5 * 96), -1)),
-    Claim(18, "one 2,048-token sequence saves {} GB over its 96 layers",
+    Claim(20, "about {} tokens for GPT-3", lambda: round(34 * 12288 / (5 * 96), -1)),
+    Claim(20, "one 2,048-token sequence saves {} GB over its 96 layers",
           lambda: accounting.activation_bytes(_gpt3(), seq_len=2048, micro_batch=1) / GB),
-    Claim(19, "per GPU: {} GB with no recomputation, {} GB selective, {} GB full",
+    Claim(21, "per GPU: {} GB with no recomputation, {} GB selective, {} GB full",
           (lambda: round(accounting.activation_bytes(_gpt3(), seq_len=2048, micro_batch=1, tp=8, sp=True) / GB),
            lambda: round(accounting.activation_bytes(_gpt3(), seq_len=2048, micro_batch=1, tp=8, sp=True,
                                                      recompute="selective") / GB),
            lambda: round(accounting.activation_bytes(_gpt3(), seq_len=2048, micro_batch=1, tp=8, sp=True,
                                                      recompute="full") / GB, 1)),
           "{:g}"),
-    Claim(21, "For GPT-3 at 2,048 tokens that is only {} % more than $6N$",
+    Claim(23, "For GPT-3 at 2,048 tokens that is only {} % more than $6N$",
           lambda: _pct(accounting.flops_per_token(_gpt3(), seq_len=2048) / accounting.flops_per_token(_gpt3()) - 1)),
-    Claim(22, "\\approx {}\\,\\%$",
+    Claim(24, "\\approx {}\\,\\%$",
           lambda: _pct(accounting.mfu(configs.get_model("llama-3-8b"), 8000, 1, _h100_bf16()))),
-    Claim(23, "as MFU they are about {} to {} %", (lambda: 44 * 3 / 4, lambda: 52 * 3 / 4)),
-    Claim(24, "so about {} GPUs",
+    Claim(25, "as MFU they are about {} to {} %", (lambda: 44 * 3 / 4, lambda: 52 * 3 / 4)),
+    Claim(26, "so about {} GPUs",
           lambda: accounting.devices_needed(configs.get_model("llama-3-8b"), 15e12, 30, _h100_bf16(), 0.4)),
-    Claim(26, "a token is multiplied by {}B parameters",
+    Claim(28, "a token is multiplied by {}B parameters",
           lambda: accounting.active_param_count(configs.get_model("mixtral-8x7b")) / 1e9, "{:.1f}"),
-    Claim(26, "16 bytes $\\times$ {}B",
+    Claim(28, "16 bytes $\\times$ {}B",
           lambda: accounting.param_count(configs.get_model("mixtral-8x7b")) / 1e9, "{:.1f}"),
-    Claim(26, "= {} GB of model states",
+    Claim(28, "= {} GB of model states",
           lambda: accounting.model_state_bytes(configs.get_model("mixtral-8x7b")).total / GB),
-    Claim(26, "671B total, {}B active",
+    Claim(28, "671B total, {}B active",
           lambda: accounting.active_param_count(configs.get_model("deepseek-v3")) / 1e9, "{:.1f}"),
-    Claim(27, "a ridge point of about {} FLOPs per byte",
+    Claim(29, "a ridge point of about {} FLOPs per byte",
           lambda: roofline.ridge_point(_h100_bf16(), configs.get_hardware("h100-sxm").hbm_bandwidth)),
-    Claim(27, "the weight matmuls reach about {} and are compute-bound", lambda: _gpt3_layer_op("MLP up").intensity,
+    Claim(29, "the weight matmuls reach about {} and are compute-bound", lambda: _gpt3_layer_op("MLP up").intensity,
           "{:,.0f}"),
-    Claim(27, "unfused attention ($QK^\\top$ and $PV$ with the scores written to memory) about {}",
+    Claim(29, "unfused attention ($QK^\\top$ and $PV$ with the scores written to memory) about {}",
           lambda: _gpt3_layer_op("attention scores QK^T").intensity),
-    Claim(27, "a batch of {} is needed to reach the ridge", lambda: _decode_batch_at_the_ridge()),
-    Claim(25, "$N \\approx {}\\text{{B}}$ parameters",
+    Claim(29, "a batch of {} is needed to reach the ridge", lambda: _decode_batch_at_the_ridge()),
+    Claim(27, "$N \\approx {}\\text{{B}}$ parameters",
           lambda: math.sqrt(accounting.training_flops(175e9, 300e9) / 120) / 1e9),
-    Claim(31, "all-gather inside: about {} s instead of {} s",
+    Claim(34, "all-gather inside: about {} s instead of {} s",
           (lambda: round(_hierarchical_all_reduce_seconds(), 1),
            lambda: round(_flat_all_reduce_seconds("infiniband-hdr"))),
           "{:g}"),
-    Claim(35, "For 7.5B on 64 GPUs: {}, {}, {} and {} GB",
+    Claim(38, "For 7.5B on 64 GPUs: {}, {}, {} and {} GB",
           tuple(lambda s=s: round(accounting.model_state_bytes(7.5e9, zero_stage=s, dp=64).total / GB, 1)
                 for s in range(4)), "{:g}"),
-    Claim(38, "gives $\\Psi \\le {}$ trillion", lambda: 40 * GB * 1024 / 16 / 1e12, "{:.2f}"),
-    Claim(38, "gives about {} billion", lambda: _largest_zero2_model(1024, 40 * GB) / 1e9),
-    Claim(40, "communication is about {} % of the layer's time at $t = 8$ on NVLink",
+    Claim(41, "gives $\\Psi \\le {}$ trillion", lambda: 40 * GB * 1024 / 16 / 1e12, "{:.2f}"),
+    Claim(41, "gives about {} billion", lambda: _largest_zero2_model(1024, 40 * GB) / 1e9),
+    Claim(43, "communication is about {} % of the layer's time at $t = 8$ on NVLink",
           lambda: _pct(_tp_layer_share(8, "nvlink-4", 3e-6))),
-    Claim(40, "and about {} % at $t = 16$ across InfiniBand",
+    Claim(43, "and about {} % at $t = 16$ across InfiniBand",
           lambda: _pct(_tp_layer_share(16, "infiniband-ndr", 6e-6))),
-    Claim(43, "{} % for $p = 4$, $m = 8$", lambda: _pct(bubble_fraction(4, 8))),
-    Claim(45, "from {} % to {} % for $p = 4$, $m = 8$, $v = 2$",
+    Claim(46, "{} % for $p = 4$, $m = 8$", lambda: _pct(bubble_fraction(4, 8))),
+    Claim(48, "from {} % to {} % for $p = 4$, $m = 8$, $v = 2$",
           (lambda: _pct(bubble_fraction(4, 8)), lambda: _pct(bubble_fraction(4, 8, virtual_stages=2)))),
-    Claim(46, "{} MB for GPT-3 at 2,048 tokens in bf16", lambda: 2048 * 12288 * 2 / 1e6),
-    Claim(49, "16M tokens of 8K sequences is {} sequences", lambda: 16 * 2**20 / 8192, "{:,.0f}"),
-    Claim(51, "\\approx {}$ s", lambda: _young_interval(30, 3 * 3600)),
-    Claim(51, "about {} % of the run", lambda: _pct(_young_lost_fraction(30, 3 * 3600, 300)), "{:.1f}"),
+    Claim(49, "{} MB for GPT-3 at 2,048 tokens in bf16", lambda: 2048 * 12288 * 2 / 1e6),
+    Claim(52, "16M tokens of 8K sequences is {} sequences", lambda: 16 * 2**20 / 8192, "{:,.0f}"),
+    Claim(54, "\\approx {}$ s", lambda: _young_interval(30, 3 * 3600)),
+    Claim(54, "about {} % of the run", lambda: _pct(_young_lost_fraction(30, 3 * 3600, 300)), "{:.1f}"),
 )  # fmt: skip
 
 # Percentages on the page that quote a paper or state a rule of thumb rather than restate a result the
