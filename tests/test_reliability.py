@@ -342,6 +342,18 @@ def test_every_resume_setting_that_differs_is_named_with_both_values(saved, tmp_
         assert any(line.strip().startswith(expected + str(original)) for line in lines), name
 
 
+def test_a_resume_on_tokens_of_another_tokenizer_is_refused(saved, monkeypatch):
+    # The checkpoint was trained on byte tokens; the same --data path now holds shards of another tokenizer (a
+    # folder prepared again): the ids would mean other strings, so the run must not continue silently.
+    from scalebook import data
+
+    monkeypatch.setattr(data, "tokenizer_id", lambda path=None: "sha256:0123")
+    with pytest.raises(ValueError) as error:
+        preflight(args_of(SMALL, checkpoint_dir=saved[0], resume=True), 1)
+    assert "--data: the checkpoint (step 4" in str(error.value)
+    assert "tokenizer bytes" in str(error.value) and "tokens of sha256:0123" in str(error.value)
+
+
 def test_a_layout_change_continues_the_run(saved, tmp_path, monkeypatch):
     # The book's DDP and ZeRO-3 on a process group of one rank, at a free port (a launcher's variables).
     for name, value in {"RANK": 0, "WORLD_SIZE": 1, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}.items():

@@ -268,9 +268,11 @@ class RunCheckpoints:
     ``--async-save``, and the settings the manifest records)."""
 
     def __init__(self, args, model, generator: torch.Generator):
+        from scalebook import data
         from scalebook.train.preflight import model_config
 
-        meta = {"args": vars(args), "world_size": model.dims.world_size, "config": model_config(args).to_dict()}
+        meta = {"args": vars(args), "world_size": model.dims.world_size, "config": model_config(args).to_dict(),
+                "tokenizer_id": data.tokenizer_id(args.data)}  # fmt: skip
         self.model, self.generator = model, generator
         self.checkpointer = Checkpointer(args.checkpoint_dir, meta, keep_last=args.keep_last,
                                          async_save=args.async_save)  # fmt: skip

@@ -11,8 +11,9 @@ otherwise surface after minutes (or hours) of training, and reports them all in 
   the size it gives, ids within the model's vocabulary; long enough for one sequence);
 - ``--resume``: the newest checkpoint whose files match their manifest
   (:func:`scalebook.train.checkpoint.newest_intact`), its settings that fix the run (model, data, batch,
-  seed: ``RESUME_SETTINGS``) equal to this run's, and ``--steps`` beyond its step. The layout and the number
-  of ranks may differ from the checkpoint's: :mod:`torch.distributed.checkpoint` reshards it.
+  seed: ``RESUME_SETTINGS``; the tokenizer of the data) equal to this run's, and ``--steps`` beyond its step.
+  The layout and the number of ranks may differ from the checkpoint's: ``torch.distributed.checkpoint``
+  reshards it.
 
 Every rank reaches the same verdict from the same arguments and files, so no rank waits for another that
 gave up; the command line prints it on rank 0 only.
@@ -150,6 +151,7 @@ def path_problems(args: argparse.Namespace) -> list[str]:
 def resume_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
     """``--resume``: set ``plan.start`` to the newest intact checkpoint's step (noting the ones passed over) and
     return what stops this run from continuing it."""
+    from scalebook import data
     from scalebook.train import checkpoint
 
     root = args.checkpoint_dir
@@ -167,6 +169,11 @@ def resume_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
     problems = [f"--{name.replace('_', '-')}: the checkpoint (step {step} in {root}) has {saved[name]!r}, this run "
                 f"{getattr(args, name)!r}; pass --{name.replace('_', '-')} {saved[name]} or another --checkpoint-dir"
                 for name in RESUME_SETTINGS if saved[name] != getattr(args, name)]  # fmt: skip
+    saved_tokenizer, tokenizer = manifest.get("tokenizer_id", data.BYTES_TOKENIZER_ID), data.tokenizer_id(args.data)
+    if saved_tokenizer != tokenizer:
+        problems.append(f"--data: the checkpoint (step {step} in {root}) was trained on tokens of tokenizer "
+                        f"{saved_tokenizer}, {args.data} holds tokens of {tokenizer}; prepare the data with the "
+                        "checkpoint's tokenizer, or pass another --checkpoint-dir")  # fmt: skip
     if args.steps < step:
         problems.append(f"--steps {args.steps} is below the checkpoint's step {step}: a run cannot go back; "
                         f"pass --steps above {step}, or another --checkpoint-dir")  # fmt: skip

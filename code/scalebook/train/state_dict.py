@@ -18,7 +18,7 @@ fsdp (FSDP2)        its own DTensors, sharded along dim 0 over the data-parallel
 zero2, zero3        the same DTensor ``Shard(0)``: ZeRO pads each parameter to N k rows (k = ceil(rows / N))
                     and rank r keeps rows [r k, (r + 1) k); without the padding, that is torch.chunk's split,
                     which is DTensor's
-tp                  ``Shard(0)`` or ``Shard(1)`` over the tp mesh (:data:`~scalebook.parallel.tensor.SHARDING`);
+tp                  ``Shard(0)`` or ``Shard(1)`` over the tp mesh (``scalebook.parallel.tensor.SHARDING``);
                     but the fused QKV matrix's shard is three row ranges (the same heads of Q, K and V), not
                     one chunk: it is gathered over the tp group and presented whole (two tensors a block)
 pp                  a stage's own blocks (the stages' names are disjoint); the last stage's copy of the tied
