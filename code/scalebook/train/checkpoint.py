@@ -265,13 +265,13 @@ class RunCheckpoints:
     (:meth:`~scalebook.parallel.parallelize.ParallelModel.state_dict`, each rank its part) and the run's own,
     the same on every rank: the data generator, the step and the losses so far. Written by any layout, read
     by any other. ``args`` are ``python -m scalebook.train``'s (their ``--checkpoint-dir``, ``--keep-last``,
-    ``--async-save``, and the settings the manifest records)."""
+    ``--async-save``, and the settings the manifest records); ``config`` the model's configuration as a dict
+    (what :func:`consolidate` rebuilds the model from)."""
 
-    def __init__(self, args, model, generator: torch.Generator):
+    def __init__(self, args, model, generator: torch.Generator, config: dict):
         from scalebook import data
-        from scalebook.train.preflight import model_config
 
-        meta = {"args": vars(args), "world_size": model.dims.world_size, "config": model_config(args).to_dict(),
+        meta = {"args": vars(args), "world_size": model.dims.world_size, "config": config,
                 "tokenizer_id": data.tokenizer_id(args.data)}  # fmt: skip
         self.model, self.generator = model, generator
         self.checkpointer = Checkpointer(args.checkpoint_dir, meta, keep_last=args.keep_last,

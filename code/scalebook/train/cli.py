@@ -335,13 +335,14 @@ def run(args: argparse.Namespace, plan: Plan | None = None) -> list:
     cfg = TrainConfig(steps=args.steps, batch_size=args.micro_batch, grad_accum=dims.micro_batches,
                       seq_len=args.seq_len, lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps,
                       precision=args.precision, seed=args.seed, progress=False)  # fmt: skip
-    model = parallelize(GPT(model_config(args)).to(device), dims,
+    config = model_config(args)
+    model = parallelize(GPT(config).to(device), dims,
                         param_groups=lambda m: weight_decay_groups(m, cfg.weight_decay),
                         bucket_cap_mb=args.bucket_cap_mb, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                         foreach=False)  # fmt: skip
     tokens = data.load_tokens(args.data)  # a prepared folder is memory-mapped: each rank reads only its rows
     generator = torch.Generator().manual_seed(args.seed)
-    checkpoints = RunCheckpoints(args, model, generator) if args.checkpoint_dir else None
+    checkpoints = RunCheckpoints(args, model, generator, config.to_dict()) if args.checkpoint_dir else None
     losses = checkpoints.resume(plan.start) if checkpoints else []
     log = _Log(args, dims, env.rank, plan.start)
     per_replica = args.micro_batch * dims.micro_batches
