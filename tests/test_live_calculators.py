@@ -98,6 +98,13 @@ def test_bad_form_text_shows_which_input_to_change(name, field, text, message):
     assert html.escape(message) in widgets.calculator_html(name, form)
 
 
+def test_a_run_shorter_than_a_day_reads_in_hours_and_one_gpu_is_singular():
+    # GPT-2 on 10B tokens: 8.5e18 FLOPs, 2.4 hours on 8 A100s at 40 % (not "0.0 days"), and 1 GPU meets 30 days.
+    text = widgets.training_time_html("gpt2", "a100-sxm4-80gb", "bf16", 1024, 10, 8, 40, 30)
+    days = accounting.training_days(configs.get_model("gpt2"), 10e9, 8, 312e12, 0.4, seq_len=1024)
+    assert days < 1 and f"<b>{days * 24:.1f} hours</b>" in text and "<b>1 GPU</b>." in text
+
+
 def test_the_training_time_panel_recomputes_when_a_control_changes():
     pytest.importorskip("ipywidgets")
     grid, result = widgets.training_time_calculator().children

@@ -274,8 +274,16 @@ def training_time_html(
     return (
         f"<b>{html.escape(cfg.name)}</b>, {tokens_billions:,g}B tokens of {seq_len:,}: {flops:.3g} FLOPs.<br>"
         f"On {gpus:,} {html.escape(gpu)} at {mfu_percent:g} % of the {peak / 1e12:,.0f} TFLOP/s {dtype} peak: "
-        f"<b>{days:,.1f} days</b>.<br>Within {deadline_days:,g} days: <b>{needed:,} GPUs</b>."
+        f"<b>{_duration(days)}</b>.<br>Within {deadline_days:,g} days: "
+        f"<b>{needed:,} GPU{'' if needed == 1 else 's'}</b>."
     )
+
+
+def _duration(days: float) -> str:
+    """``days`` as days, or as hours or minutes when under one (a small model's run does not read as "0.0 days")."""
+    if days >= 1:
+        return f"{days:,.1f} days"
+    return f"{days * 24:.1f} hours" if days * 24 >= 1 else f"{days * 24 * 60:.1f} minutes"
 
 
 def training_time_inputs(model: str = "gpt3-175b", gpu: str = "a100-sxm4-80gb") -> Calculator:
