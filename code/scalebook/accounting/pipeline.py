@@ -229,6 +229,7 @@ def stage_memory(
     dropout: bool = True,
     zero_stage: int = 0,
     precision: str = "mixed",
+    dtype_bytes: int = 2,
 ) -> list[StageMemory]:
     """Model states plus activations on each stage's GPU, for a partition of the layers (Adam).
 
@@ -237,6 +238,7 @@ def stage_memory(
     (its own copy of a tied one; one stage alone holds the model once). Its activations are
     :func:`scalebook.accounting.activation_bytes` per layer, times its layers, times
     :func:`peak_in_flight` micro-batches; as there, the embedding output and the logits are not counted.
+    ``dtype_bytes`` is the activations' bytes per element (2 in 16-bit training, 4 in fp32).
     """
     _checks.require(
         _checks.model_config(cfg),
@@ -250,7 +252,7 @@ def stage_memory(
     pp = len(partition)
     per_layer = activation_bytes(
         cfg, seq_len=seq_len, micro_batch=micro_batch, tp=tp, sp=sp, recompute=recompute, attention=attention,
-        dropout=dropout,
+        dropout=dropout, dtype_bytes=dtype_bytes,
     ) // L  # fmt: skip
     costs = layer_costs(cfg, by="params")
     stages = []
