@@ -13,6 +13,14 @@ while the naive all-reduce (every rank sends its whole tensor to every peer) sen
 tree (reduce to a root, broadcast back) moves the same total bytes as the ring but in 2 ceil(log2 n)
 rounds of the whole message.
 
+A parameter server (one of the n ranks holds the parameters and the optimizer; the others push their
+gradients to it and pull the new parameters) concentrates the traffic on the server instead:
+
+    server   receives (n-1) M, sends (n-1) M
+    worker   sends M, receives M
+
+All ranks together send 2 (n-1) M, what a ring all-reduce sends, but half of it leaves one rank.
+
 Time follows the alpha-beta (latency-bandwidth) model: a message of m bytes over one link costs
 alpha + m / B. A ring step moves M/n bytes, so
 
@@ -20,6 +28,17 @@ alpha + m / B. A ring step moves M/n bytes, so
     T_RS = T_AG (ring)  =   (n-1) (alpha + M / (n B))
     T_all-reduce(tree)  = 2 ceil(log2 n) (alpha + M / B)
     T_all-reduce(naive) =   (n-1) (alpha + M / B)
+    T_parameter-server  =  2 (alpha + (n-1) M / B)   (push, then pull, through the server's link)
+
+Benchmarks report a collective's speed the way NVIDIA's nccl-tests do: the *algorithm bandwidth*
+``algbw = M / T`` and the *bus bandwidth* ``busbw = algbw * factor``, with the factor chosen so that busbw
+is the rate at which each rank's link moves data in a point-to-point (ring) implementation, comparable
+with the link's datasheet whatever ``n`` is:
+
+    all-reduce                                   2 (n-1)/n
+    reduce-scatter, all-gather, all-to-all,
+    gather, scatter                                (n-1)/n
+    broadcast, reduce, send/recv                   1          (all the data leaves or reaches one rank)
 
 Per training step, data parallelism all-reduces the gradients once (DDP, ZeRO-1/2 send the same
 volume as a reduce-scatter of gradients plus an all-gather of parameters); ZeRO-3 gathers the
@@ -31,8 +50,10 @@ of two linear layers in the backward instead of keeping them: two more all-gathe
 
 Source: Patarasuk and Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
 workstations"; Thakur, Rabenseifner and Gropp 2005, "Optimization of Collective Communication
-Operations in MPICH" (alpha-beta costs); Rajbhandari et al. 2020 (ZeRO, Sec. 7); Shoeybi et al. 2019
-(Megatron-LM) and Korthikanti et al. 2022 (sequence parallelism).
+Operations in MPICH" (alpha-beta costs); Li et al. 2014, "Scaling Distributed Machine Learning with the
+Parameter Server" (push and pull); Rajbhandari et al. 2020 (ZeRO, Sec. 7); Shoeybi et al. 2019
+(Megatron-LM) and Korthikanti et al. 2022 (sequence parallelism); NVIDIA nccl-tests, ``doc/PERFORMANCE.md`` and
+``src/*.cu`` (``*GetBw``: algorithm and bus bandwidth).
 """
 
 from __future__ import annotations
@@ -45,6 +66,18 @@ from scalebook.configs import ModelConfig
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
 ALL_REDUCE_ALGORITHMS = ("ring", "tree", "naive")
+# nccl-tests' correction from algbw to busbw, as a function of n (src/<op>.cu, *GetBw).
+BUSBW_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "gather": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "send_recv": lambda n: 1.0,
+}
 
 
 def _collective_args(op: str, message_bytes: float, n: int, algorithm: str) -> list[str]:
@@ -80,6 +113,42 @@ def alpha_beta_time(
         return 2 * math.ceil(math.log2(n)) * (alpha + message_bytes / bandwidth)
     steps = 2 * (n - 1) if op == "all_reduce" else n - 1
     return steps * (alpha + message_bytes / (n * bandwidth))
+
+
+def parameter_server_bytes_per_step(message_bytes: float, n: int) -> dict[str, float]:
+    """Bytes the server and each worker send and receive in one synchronous parameter-server step on ``n``
+    ranks, the server being one of them (it computes a gradient too), for an ``M``-byte gradient:
+    ``{"server_sent", "server_received", "worker_sent", "worker_received"}``.
+
+        server   receives (n-1) M   (a gradient from each worker),  sends (n-1) M   (the new parameters to each)
+        worker   sends M,                                            receives M
+
+    The parameters the server sends are as many bytes as the gradients when both have one width. With
+    ``n = 1`` nothing moves. All ranks together send 2 (n-1) M, as many bytes as a ring all-reduce
+    (n x 2 (n-1)/n M), but half of them leave the server: its load is n/2 times a ring rank's.
+    """
+    _checks.require(_collective_args("all_reduce", message_bytes, n, "ring"))
+    worker = message_bytes if n > 1 else 0.0
+    server = (n - 1) * message_bytes
+    return {"server_sent": server, "server_received": server, "worker_sent": worker, "worker_received": worker}
+
+
+def parameter_server_time(message_bytes: float, n: int, *, alpha: float, bandwidth: float) -> float:
+    """Seconds for a parameter server's push and pull of an ``M``-byte gradient on ``n`` ranks, by the
+    alpha-beta model with the server's link as the bottleneck:
+
+        T = 2 (alpha + (n-1) M / B)
+
+    The n-1 workers push at once, but the server's link takes in (n-1) M at ``bandwidth`` B; the pull sends
+    as much out. Against the ring all-reduce's 2 (n-1) (alpha + M / (n B)) the bandwidth term is n times
+    larger, the latency term n-1 times smaller. The optimizer step between push and pull is not counted.
+    """
+    _checks.require(_collective_args("all_reduce", message_bytes, n, "ring"), _checks.positive(bandwidth=bandwidth))
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha < 0:
+        raise ValueError(f"alpha must be a latency in seconds >= 0, got {alpha!r}")
+    if n == 1:
+        return 0.0
+    return 2 * (alpha + (n - 1) * message_bytes / bandwidth)
 
 
 def data_parallel_bytes_per_step(
@@ -138,3 +207,44 @@ def tensor_parallel_bytes_per_layer(
     all_gather = bytes_sent_per_rank("all_gather", message, tp)
     forward = 2 * (all_gather + bytes_sent_per_rank("reduce_scatter", message, tp))
     return {"forward": forward, "backward": forward + (2 * all_gather if regather_inputs else 0)}
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests' factor from algorithm to bus bandwidth for ``op`` on ``n`` ranks (``busbw = algbw * factor``).
+
+    It is the share of the message ``M`` that each rank's link must carry in a point-to-point implementation
+    (for an all-reduce the ring's ``2 (n-1)/n``, :func:`bytes_sent_per_rank`), or 1 where all the data leaves
+    or reaches one root. With in-network reduction (NVLink SHARP, InfiniBand SHARP) the switch adds, the
+    ranks send less, and a busbw computed with this factor can exceed the link's bandwidth.
+    """
+    _checks.require(_checks.one_of("op", op, tuple(BUSBW_FACTORS)), _checks.positive_int(n=n))
+    return BUSBW_FACTORS[op](n)
+
+
+def _bandwidth_args(message_bytes: float, seconds: float) -> list[str]:
+    problems = _checks.positive(seconds=seconds)
+    if isinstance(message_bytes, bool) or not isinstance(message_bytes, (int, float)) or message_bytes < 0:
+        problems.append(f"message_bytes must be a number >= 0, got {message_bytes!r}")
+    return problems
+
+
+def algbw(message_bytes: float, seconds: float) -> float:
+    """Algorithm bandwidth, bytes per second: the message size over the time of the collective, ``M / T``."""
+    _checks.require(_bandwidth_args(message_bytes, seconds))
+    return message_bytes / seconds
+
+
+def busbw(op: str, message_bytes: float, seconds: float, n: int) -> float:
+    """Bus bandwidth, bytes per second: ``algbw * busbw_factor(op, n)`` (nccl-tests' ``busbw`` column)."""
+    _checks.require(_bandwidth_args(message_bytes, seconds))
+    return algbw(message_bytes, seconds) * busbw_factor(op, n)
+
+
+def seconds_at_busbw(op: str, message_bytes: float, n: int, bus_bandwidth: float) -> float:
+    """Seconds for ``op`` on an ``M``-byte message over ``n`` ranks at a measured or reported bus bandwidth.
+
+    The inverse of :func:`busbw`: ``T = M * busbw_factor(op, n) / busbw``, which is how a benchmark's busbw
+    predicts a training run's communication time on the same system.
+    """
+    _checks.require(_bandwidth_args(message_bytes, 1.0), _checks.positive(bus_bandwidth=bus_bandwidth))
+    return message_bytes * busbw_factor(op, n) / bus_bandwidth
