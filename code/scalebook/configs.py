@@ -14,13 +14,16 @@ Three registries, each a frozen dataclass per entry:
 - accelerators (:class:`Hardware`): dense peak FLOP/s per dtype (no 2:4 sparsity), HBM capacity and
   bandwidth, and the intra-node link each GPU has.
 - links (:class:`Link`): NVLink generations, InfiniBand, PCIe, RoCE.
+- reported bus bandwidths (:class:`ReportedBusBandwidth`): nccl-tests' all-reduce busbw on DGX-class
+  systems as NVIDIA's NCCL engineers reported it, with the link that bounds it.
 
 Units are SI: bytes, bytes per second, FLOP per second; "GB" means 1e9 bytes, as on the datasheets.
 
 Source: Radford et al. 2019 (GPT-2), Table 2; Brown et al. 2020 (GPT-3), Table 2.1; Touvron et al.
 2023 (Llama 2), Table 1; Grattafiori et al. 2024 (The Llama 3 Herd of Models), Table 3; Jiang et al. 2024
 (Mixtral of Experts); DeepSeek-AI 2024 (DeepSeek-V3 Technical Report), Sec. 2 and 4.2; the
-Hugging Face ``config.json`` of each released checkpoint; NVIDIA and AMD datasheets named per entry.
+Hugging Face ``config.json`` of each released checkpoint; NVIDIA and AMD datasheets named per entry; NVIDIA's
+nccl and nccl-tests issue threads named per reported bus bandwidth.
 """
 
 from __future__ import annotations
@@ -458,6 +461,63 @@ LINKS = MappingProxyType({link.name: link for link in _LINKS})
 
 
 @dataclass(frozen=True)
+class ReportedBusBandwidth:
+    """A collective's bus bandwidth on a real system, as NVIDIA's NCCL engineers reported it (vendor-reported).
+
+    ``busbw`` (and ``algbw`` where given) are nccl-tests' columns, bytes per second
+    (:func:`scalebook.accounting.comm.busbw`). ``gpus`` is the number of ranks measured (None: several nodes,
+    count not given). The bound they are compared with is ``links`` times the per-direction bandwidth of
+    ``link``: a GPU's NVLink entry is already its total to the switch (``links=1``); a ring across nodes
+    crosses the network once per node on each of the node's ports, which NCCL drives as parallel rings,
+    so its busbw is bounded by the node's ports together (``links`` = ports per node).
+    """
+
+    name: str
+    system: str
+    op: str
+    gpus: int | None
+    algorithm: str  # "ring", or "nvls" (NVLink SHARP: the NVSwitch adds)
+    busbw: float
+    link: str
+    links: int
+    source: str
+    algbw: float | None = None
+
+    @property
+    def bound(self) -> float:
+        """The datasheet bandwidth per direction that busbw is compared with: ``links`` times the link's."""
+        return self.links * LINKS[self.link].bandwidth
+
+
+_NCCL_TESTS_212 = (
+    "NVIDIA/nccl-tests issue #212 (2024-05-06), S. Jeaugey (NVIDIA, NCCL): 450 GB/s is the NVLink line rate; "
+    "with ~20 % protocol overhead NCCL reaches ~370 GB/s busbw with NCCL_ALGO=RING or for non-allreduce "
+    "operations; all-reduce uses NVLink SHARP by default and peaks near 480 GB/s busbw (algbw ~275 GB/s) on "
+    "8 GPUs, where neither number is the bandwidth on the wire"
+)
+_REPORTED_BUSBW = (
+    ReportedBusBandwidth(
+        "a100-nvlink-ring", "8x A100 SXM4 80GB in one node (NVLink 3 through NVSwitch)", "all_reduce", 8, "ring",
+        230 * GB, "nvlink-3", 1,
+        "NVIDIA/nccl-tests issue #149 (2023-07-05), S. Jeaugey (NVIDIA, NCCL): 12 NVLinks of 25 GB/s line rate "
+        "each way give ~20 GB/s effective each with 128-byte payloads, 240 GB/s in all, and other bottlenecks "
+        "on the GPU limit all_reduce_perf to ~230 GB/s busbw"),
+    ReportedBusBandwidth(
+        "h100-nvlink-ring", "8x H100 SXM in one node (NVLink 4 through NVSwitch), NCCL_ALGO=RING", "all_reduce",
+        8, "ring", 370 * GB, "nvlink-4", 1, _NCCL_TESTS_212),
+    ReportedBusBandwidth(
+        "h100-nvlink-nvls", "8x H100 SXM in one node, NVLink SHARP (NCCL's default all-reduce there)",
+        "all_reduce", 8, "nvls", 480 * GB, "nvlink-4", 1, _NCCL_TESTS_212, algbw=275 * GB),
+    ReportedBusBandwidth(
+        "a100-infiniband-hdr-ring", "DGX A100 nodes, 8x 200 Gb/s HDR InfiniBand per node, across nodes",
+        "all_reduce", None, "ring", 192 * GB, "infiniband-hdr", 8,
+        "NVIDIA/nccl issue #812 (2023-03-31), NVIDIA NCCL team (AddyLaddy): on DGX A100 systems with "
+        "8x 200 Gb/s IB cards, 192 GB/s all-reduce busbw measured"),
+)  # fmt: skip
+REPORTED_BUSBW = MappingProxyType({r.name: r for r in _REPORTED_BUSBW})
+
+
+@dataclass(frozen=True)
 class Hardware:
     """One accelerator as its datasheet describes it.
 
@@ -601,3 +661,13 @@ def get_link(name: str) -> Link:
 def list_links() -> list[str]:
     """Names of every interconnect ``get_link`` knows, in registry order."""
     return list(LINKS)
+
+
+def get_reported_busbw(name: str) -> ReportedBusBandwidth:
+    """The vendor-reported bus bandwidth called ``name`` (see :func:`list_reported_busbw`)."""
+    return _lookup(REPORTED_BUSBW, "reported bus bandwidth", name)
+
+
+def list_reported_busbw() -> list[str]:
+    """Names of every vendor-reported bus bandwidth, in registry order."""
+    return list(REPORTED_BUSBW)

@@ -11,7 +11,7 @@ chapters check these numbers against.
     flops    flops_per_token, training_flops (6 N D), training_flops_with_attention (Narayanan et al.)
     time     mfu, training_days, devices_needed
     comm     bytes_sent_per_rank, alpha_beta_time, data_parallel_bytes_per_step,
-             tensor_parallel_bytes_per_layer
+             tensor_parallel_bytes_per_layer, parameter_server_bytes_per_step, parameter_server_time
     pipeline bubble_fraction, peak_in_flight, p2p_bytes_per_step, balanced_partition, stage_memory
     precision format_bytes (fp8 with its scales), deepseek_v3_state_bytes
     roofline gpt_layer_ops, matmul_cost, ridge_point, attainable_flops, memory_bound (arithmetic intensity)
@@ -24,6 +24,8 @@ from scalebook.accounting.comm import (
     alpha_beta_time,
     bytes_sent_per_rank,
     data_parallel_bytes_per_step,
+    parameter_server_bytes_per_step,
+    parameter_server_time,
     tensor_parallel_bytes_per_layer,
 )
 from scalebook.accounting.flops import flops_per_token, training_flops, training_flops_with_attention
@@ -75,6 +77,8 @@ __all__ = [
     "param_breakdown",
     "param_count",
     "param_count_closed_form",
+    "parameter_server_bytes_per_step",
+    "parameter_server_time",
     "tensor_parallel_bytes_per_layer",
     "training_days",
     "training_flops",
