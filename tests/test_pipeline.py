@@ -65,6 +65,8 @@ def test_stages_chained_in_one_process_are_the_model_with_its_parameter_names():
         pp.pipeline_stage(copy.deepcopy(model), 3, 3)
     with pytest.raises(ValueError, match="8 layers do not split evenly over 3 stages"):
         pp.pipeline_stage(copy.deepcopy(model), 0, 3)
+    with pytest.raises(ValueError, match="activation_checkpointing must be True, False or None"):
+        pp.pipeline_stage(copy.deepcopy(model), 0, 2, activation_checkpointing=1)
 
 
 # ----- closed forms and schedules (no processes) --------------------------------------------------
@@ -270,6 +272,7 @@ def test_invalid_layouts_raise_before_any_process_starts(monkeypatch):
         (2, [PipelineRun("zero-bubble", 4)], "schedule must be one of"),
         (2, [PipelineRun("1f1b", 4, emulate=(0.01,))], "emulate must be .forward seconds, backward seconds."),
         (2, [PipelineRun("1f1b", 4, repeats=0)], "repeats must be an integer >= 1"),
+        (2, [PipelineRun("1f1b", 4, activation_checkpointing="yes")], "activation_checkpointing must be True or False"),
     ]
     for pp_size, runs, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -334,6 +337,35 @@ def test_four_stages_match_unpartitioned_model_and_torch_pipelining():
             PipelineRun("1f1b", 8, layers_per_stage=(1, 3, 3, 1), compare_torch=True)]  # fmt: skip
     results = ex.run_pipeline(CONFIG, 4, runs, x, y)
     _check_equivalence_and_counts(results, 4, x)
+
+
+def test_checkpointed_stages_give_the_same_loss_and_gradients_and_save_what_the_formula_says():
+    x, y = _batch()
+    M, b, s = 4, x.shape[0] // 4, x.shape[1]
+    runs = [PipelineRun("1f1b", M), PipelineRun("1f1b", M, activation_checkpointing=True)]
+    plain, checkpointed = ex.run_pipeline(CONFIG, 2, runs, x, y)
+    # Recomputation reruns the same operators on the same inputs with the same threads: bit-identical.
+    assert checkpointed.loss == plain.loss
+    assert plain.grads.keys() == checkpointed.grads.keys()
+    assert all(torch.equal(checkpointed.grads[name], g) for name, g in plain.grads.items())
+    assert plain.peak_in_flight == checkpointed.peak_in_flight == [2, 1]  # 1F1B: p - r micro-batches
+    partition = pp.stage_layers(CONFIG.n_layer, 2)
+    shape = dict(seq_len=s, microbatches=M, micro_batch=b, dropout=False, dtype_bytes=4)
+    model = configs.ModelConfig.from_gpt_config(CONFIG)
+    stored, recomputed = (acc.stage_memory(model, partition, recompute=how, **shape) for how in ("none", "full"))
+    # Korthikanti et al.'s count leaves out, per layer and micro-batch, each LayerNorm's mean and 1/std per
+    # token (2 norms x 2 fp32 numbers) and attention's s x s boolean causal mask; checkpointing drops them too.
+    left_out = 2 * 2 * s * b * 4 + s * s
+    for r in range(2):
+        saved = plain.peak_activation_bytes[r] - checkpointed.peak_activation_bytes[r]
+        expected = stored[r].activations - recomputed[r].activations
+        assert saved == expected + stored[r].in_flight * len(partition[r]) * left_out, r
+    # What is left is the block inputs (the formula's s b h per layer) and what lies outside the blocks, counted
+    # by hand: the first stage's token ids and positions (int64); the last stage's final-norm input and
+    # statistics, head input, log-softmax output, targets (int64) and the loss's 4-byte total weight.
+    h, V = CONFIG.n_embd, CONFIG.vocab_size
+    outside = [2 * (b * s * 8 + s * 8), 2 * 4 * s * b * h + 2 * s * b * 4 + 4 * b * s * V + 8 * b * s + 4]
+    assert checkpointed.peak_activation_bytes == [recomputed[r].activations + outside[r] for r in range(2)]
 
 
 def _batched_p2p_only_worker(x, y):

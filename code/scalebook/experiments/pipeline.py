@@ -246,7 +246,9 @@ class PipelineRun:
     ``emulate=(t_f, t_b)`` pads a rank's forward and backward of one micro-batch to these seconds;
     ``repeats`` runs the step that many times and keeps the one that finished first (other processes
     on the machine can only add time, so the fastest repeat is the least disturbed one, as in
-    ``timeit``); ``compare_torch`` also runs the same layout with ``torch.distributed.pipelining``.
+    ``timeit``); ``compare_torch`` also runs the same layout with ``torch.distributed.pipelining``;
+    ``activation_checkpointing`` makes every stage recompute its blocks in the backward pass
+    (:func:`~scalebook.parallel.pipeline.pipeline_stage`).
     """
 
     schedule: str
@@ -256,6 +258,7 @@ class PipelineRun:
     emulate: tuple[float, float] | None = None
     repeats: int = 1
     compare_torch: bool = False
+    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -309,6 +312,8 @@ def _run_problems(config: GPTConfig, pp: int, run: PipelineRun, batch_size: int)
         problems.append(f"emulate must be (forward seconds, backward seconds) > 0, got {run.emulate!r}")
     if isinstance(run.repeats, bool) or not isinstance(run.repeats, int) or run.repeats < 1:
         problems.append(f"repeats must be an integer >= 1, got {run.repeats!r}")
+    if not isinstance(run.activation_checkpointing, bool):
+        problems.append(f"activation_checkpointing must be True or False, got {run.activation_checkpointing!r}")
     return problems
 
 
@@ -374,12 +379,15 @@ def reference_loss_and_grads(
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def build_stages(model: GPT, schedule: Schedule, rank: int, layers_per_stage=None) -> dict[int, GPT]:
+def build_stages(
+    model: GPT, schedule: Schedule, rank: int, layers_per_stage=None, *, activation_checkpointing: bool = False
+) -> dict[int, GPT]:
     """The stages ``rank`` holds under ``schedule``, each a slice of its own copy of ``model``."""
     return {
-        s: pipeline_stage(copy.deepcopy(model), s, schedule.n_stages, layers_per_stage)
+        s: pipeline_stage(copy.deepcopy(model), s, schedule.n_stages, layers_per_stage,
+                          activation_checkpointing=activation_checkpointing)
         for s in schedule.stages_of(rank)
-    }
+    }  # fmt: skip
 
 
 def _grads(stages: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
@@ -411,7 +419,8 @@ def _pipeline_worker(config_dict: dict, runs: list[PipelineRun], inputs, targets
             run_schedule(schedule, build_stages(model, schedule, rank, run.layers_per_stage), inputs, targets)
         attempts = []
         for _ in range(run.repeats):
-            stages = build_stages(model, schedule, rank, run.layers_per_stage)
+            stages = build_stages(model, schedule, rank, run.layers_per_stage,
+                                  activation_checkpointing=run.activation_checkpointing)  # fmt: skip
             loss, recorder, traffic = _timed_step(schedule, stages, inputs, targets, run, tied_group)
             finished = torch.tensor([max(e.end for e in recorder.events if e.kind in ("F", "B"))])
             dist.all_reduce(finished, op=dist.ReduceOp.MAX)  # every rank keeps the same repeat

@@ -8,7 +8,9 @@ model's), the embeddings only on the first stage, and the final norm and the hea
 GPT's own forward then takes hidden states in and gives hidden states out where those are missing. The
 head is tied to the token embedding, so the first and the last stage each hold a copy of that matrix;
 after the backward pass :func:`sync_tied_embedding` sums the two copies' gradients (as Megatron-LM does),
-which is exactly the tied matrix's gradient.
+which is exactly the tied matrix's gradient. With ``activation_checkpointing=True`` a stage keeps only each
+block's input per micro-batch in flight and recomputes the block in its backward, so the runtime is the
+same function with or without it.
 
 **Schedules.** A batch is split into M micro-batches. A schedule is, for every rank, the ordered list of
 what it computes: ``F`` (forward of micro-batch m through stage s) and ``B`` (its backward). It is a pure
@@ -95,7 +97,14 @@ class StageBlocks(nn.ModuleDict):
         return super().__getitem__(str(index))
 
 
-def pipeline_stage(model: GPT, stage: int, n_stages: int, layers_per_stage: Sequence[int] | None = None) -> GPT:
+def pipeline_stage(
+    model: GPT,
+    stage: int,
+    n_stages: int,
+    layers_per_stage: Sequence[int] | None = None,
+    *,
+    activation_checkpointing: bool | None = None,
+) -> GPT:
     """Make ``model`` stage ``stage`` of ``n_stages``, in place; returns it.
 
     The blocks of the other stages are dropped, ``wte`` and ``wpe`` kept only on the first stage, ``ln_f``
@@ -103,12 +112,20 @@ def pipeline_stage(model: GPT, stage: int, n_stages: int, layers_per_stage: Sequ
     ``model(x)`` then maps the previous stage's hidden states (token ids on the first stage) to this stage's
     (``(logits, loss)`` on the last). Every rank must start from the same weights; a rank that holds several
     stages (interleaving) slices one copy of the model per stage.
+
+    ``activation_checkpointing=True`` makes the stage keep only each block's input for every micro-batch in
+    flight and recompute the block during its backward (``torch.utils.checkpoint`` per block, the GPT's own
+    ``gradient_checkpointing``); None leaves the model's setting as it is.
     """
     if isinstance(model.blocks, StageBlocks):
         raise ValueError("model is already a pipeline stage; slice a full GPT (copy.deepcopy it first)")
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < n_stages:
         raise ValueError(f"stage must be an integer in [0, n_stages={n_stages}), got {stage!r}")
+    if activation_checkpointing is not None and not isinstance(activation_checkpointing, bool):
+        raise ValueError(f"activation_checkpointing must be True, False or None, got {activation_checkpointing!r}")
     layers = stage_layers(len(model.blocks), n_stages, layers_per_stage)[stage]
+    if activation_checkpointing is not None:
+        model.gradient_checkpointing = activation_checkpointing
     model.blocks = StageBlocks({str(i): model.blocks[i] for i in layers})
     if stage > 0:
         model.wte = model.wpe = None
