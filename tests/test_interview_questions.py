@@ -10,6 +10,7 @@ so a new unchecked percentage cannot slip in.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -117,6 +118,28 @@ def _llama3_70b():
     return configs.get_model("llama-3-70b")
 
 
+def _gpt3_on_1024_params() -> float:
+    """GPT-3 175B's parameters held by one GPU of a TP 8 x PP 16 layout (each GPU holds 1/128 of the model)."""
+    return accounting.param_count(_gpt3()) / (8 * 16)
+
+
+@functools.cache
+def _gpt3_1024_plan():
+    """Chapter 14's planner on GPT-3 175B, 1,024 A100 80 GB in nodes of 8 over HDR InfiniBand, micro-batch 1,
+    no interleaving (the interview question's sketch), 50 % of peak in the matmuls."""
+    from scalebook import planner
+
+    cluster = planner.Cluster(gpu="a100-sxm4-80gb", nodes=128, inter_node_link="infiniband-hdr")
+    return planner.plan(_gpt3(), seq_len=2048, global_batch_tokens=_gpt3().batch_sequences * 2048, cluster=cluster,
+                        mfu=0.5, micro_batches=(1,), zero_stages=(1,), virtual_stages=(1,))  # fmt: skip
+
+
+def _gpt3_megatron_estimate():
+    """The planner's estimate for Megatron-LM's GPT-3 recipe, TP 8 x PP 16 x DP 8."""
+    plan = _gpt3_1024_plan()
+    return plan.ranked[plan.rank_of(tp=8, pp=16, dp=8, cp=1)]
+
+
 def _pct(x: float) -> float:
     return 100 * x
 
@@ -202,17 +225,42 @@ CLAIMS = (
                 for s in range(4)), "{:g}"),
     Claim(41, "gives $\\Psi \\le {}$ trillion", lambda: 40 * GB * 1024 / 16 / 1e12, "{:.2f}"),
     Claim(41, "gives about {} billion", lambda: _largest_zero2_model(1024, 40 * GB) / 1e9),
-    Claim(43, "communication is about {} % of the layer's time at $t = 8$ on NVLink",
+    Claim(44, "communication is about {} % of the layer's time at $t = 8$ on NVLink",
           lambda: _pct(_tp_layer_share(8, "nvlink-4", 3e-6))),
-    Claim(43, "and about {} % at $t = 16$ across InfiniBand",
+    Claim(44, "and about {} % at $t = 16$ across InfiniBand",
           lambda: _pct(_tp_layer_share(16, "infiniband-ndr", 6e-6))),
-    Claim(46, "{} % for $p = 4$, $m = 8$", lambda: _pct(bubble_fraction(4, 8))),
-    Claim(48, "from {} % to {} % for $p = 4$, $m = 8$, $v = 2$",
+    Claim(47, "{} % for $p = 4$, $m = 8$", lambda: _pct(bubble_fraction(4, 8))),
+    Claim(49, "from {} % to {} % for $p = 4$, $m = 8$, $v = 2$",
           (lambda: _pct(bubble_fraction(4, 8)), lambda: _pct(bubble_fraction(4, 8, virtual_stages=2)))),
-    Claim(49, "{} MB for GPT-3 at 2,048 tokens in bf16", lambda: 2048 * 12288 * 2 / 1e6),
-    Claim(52, "16M tokens of 8K sequences is {} sequences", lambda: 16 * 2**20 / 8192, "{:,.0f}"),
-    Claim(54, "\\approx {}$ s", lambda: _young_interval(30, 3 * 3600)),
-    Claim(54, "about {} % of the run", lambda: _pct(_young_lost_fraction(30, 3 * 3600, 300)), "{:.1f}"),
+    Claim(50, "{} MB for GPT-3 at 2,048 tokens in bf16", lambda: 2048 * 12288 * 2 / 1e6),
+    Claim(53, "16M tokens of 8K sequences is {} sequences", lambda: 16 * 2**20 / 8192, "{:,.0f}"),
+    Claim(42, "GPT-2's 124M parameters need {} GB of states",
+          lambda: accounting.model_state_bytes(accounting.param_count(configs.get_model("gpt2"))).total / GB, "{:.1f}"),
+    Claim(42, "A 7B model needs {} GB per GPU under DDP", lambda: accounting.model_state_bytes(7e9).total / GB),
+    Claim(42, "and {} GB under FSDP over 8 GPUs",
+          lambda: accounting.model_state_bytes(7e9, zero_stage=3, dp=8).total / GB),
+    Claim(54, "The states alone are {} TB, {} times the 640 GB of a whole node",
+          (lambda: accounting.model_state_bytes(_gpt3()).total / TB,
+           lambda: accounting.model_state_bytes(_gpt3()).total / (8 * 80 * GB)), "{:.1f}"),
+    Claim(54, "16 stages of {} layers leave {} GB of model states per GPU",
+          (lambda: _gpt3().n_layers // 16,
+           lambda: round(accounting.model_state_bytes(_gpt3_on_1024_params()).total / GB, 1)),
+          "{:g}"),
+    Claim(54, "{} GB with ZeRO-1 over the replicas",
+          lambda: accounting.model_state_bytes(_gpt3_on_1024_params(), zero_stage=1, dp=8).total / GB, "{:.1f}"),
+    Claim(54, "$1024 / (8 \\cdot 16) = {}$ replicas", lambda: 1024 // (8 * 16)),
+    Claim(54, "gives each replica {} micro-batches", lambda: _gpt3().batch_sequences // 8),
+    Claim(54, "a 1F1B bubble of $(p-1)/(m+p-1)$, about {} % of the step",
+          lambda: _pct(bubble_fraction(16, _gpt3().batch_sequences // 8)), "{:.1f}"),
+    Claim(54, "puts this layout within {} % of its fastest",
+          lambda: math.ceil(_pct(_gpt3_megatron_estimate().step_time / _gpt3_1024_plan().ranked[0].step_time - 1))),
+    Claim(54, "about {} s per step at {} % MFU",
+          (lambda: round(_gpt3_megatron_estimate().step_time, 1), lambda: round(_pct(_gpt3_megatron_estimate().mfu))),
+          "{:g}"),
+    Claim(58, "one GPU that computes {} % slower makes all 1,000 wait: the other 999 idle {} % of every step",
+          (lambda: 20, lambda: round(_pct(1 - 1 / 1.2), 1)), "{:g}"),
+    Claim(56, "\\approx {}$ s", lambda: _young_interval(30, 3 * 3600)),
+    Claim(56, "about {} % of the run", lambda: _pct(_young_lost_fraction(30, 3 * 3600, 300)), "{:.1f}"),
 )  # fmt: skip
 
 # Percentages on the page that quote a paper or state a rule of thumb rather than restate a result the
@@ -223,6 +271,7 @@ QUOTED_PERCENTAGES = {
     "35 % MFU": "an assumed MFU, the input of the claim that follows it",
     "40 % MFU": "an assumed MFU, the input of the question",
     "50 % MFU": "an assumed MFU, the input of Chapter 12's layer timing",
+    "50 % of peak": "an assumed matmul efficiency, the input of the planner's estimate (question 54)",
     "10 to 20 %": "headroom for temporary buffers, a rule of thumb",
     "below 5 %": "the target of the bubble rule that follows it",
 }
