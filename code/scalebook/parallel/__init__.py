@@ -3,7 +3,8 @@
     dims         the layout: ParallelDims validates dp x tp x pp x cp (x ep) once, DeviceMesh builds the groups
     parallelize  parallelize(model, dims): PP split, TP/SP, CP, EP, then the data-parallel wrapper, in that order
     ddp          data parallelism: all-reduce gradients, bucketing, overlap with backward (any nn.Module)
-    zero         ZeRO-1 as an optimizer wrapper (any torch.optim class); ZeRO-2/3 as a module wrapper (fully_shard)
+    zero         ZeRO-1 as an optimizer wrapper (any torch.optim class); clipping and bytes over shards
+    fsdp         ZeRO-2/3 as a module wrapper (fully_shard), with prefetching and hybrid sharding (HSDP)
     tensor       Megatron-style tensor parallelism applied in place (column/row-parallel layers, vocab-parallel loss)
     sequence     sequence parallelism on top of tensor parallelism
     pipeline     pipeline parallelism: a stage is a slice of the model; GPipe / 1F1B / interleaved, one runtime
