@@ -8,7 +8,8 @@ chapters check these numbers against.
              layer_weights, mtp_param_count
     memory   model_state_bytes (ZeRO, mixed precision), activation_bytes (Korthikanti et al., GPT and Llama layers),
              kv_cache_bytes (inference)
-    flops    flops_per_token, training_flops (6 N D), training_flops_with_attention (Narayanan et al.)
+    flops    flops_per_token, training_flops (6 N D), training_flops_with_attention (Narayanan et al.),
+             mtp_flops_per_token (DeepSeek-V3's multi-token prediction)
     time     mfu, training_days, devices_needed
     comm     bytes_sent_per_rank, alpha_beta_time, data_parallel_bytes_per_step,
              tensor_parallel_bytes_per_layer, parameter_server_bytes_per_step, parameter_server_time
@@ -28,7 +29,12 @@ from scalebook.accounting.comm import (
     parameter_server_time,
     tensor_parallel_bytes_per_layer,
 )
-from scalebook.accounting.flops import flops_per_token, training_flops, training_flops_with_attention
+from scalebook.accounting.flops import (
+    flops_per_token,
+    mtp_flops_per_token,
+    training_flops,
+    training_flops_with_attention,
+)
 from scalebook.accounting.memory import (
     ATTENTION,
     OPTIMIZERS,
@@ -73,6 +79,7 @@ __all__ = [
     "layer_weights",
     "mfu",
     "model_state_bytes",
+    "mtp_flops_per_token",
     "mtp_param_count",
     "param_breakdown",
     "param_count",

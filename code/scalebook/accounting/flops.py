@@ -25,9 +25,14 @@ count 2 W per layer becomes the layer's active weights (the router, the shared a
 experts). DeepSeek-V3's latent attention scores over query/key heads of d_nope + d_rope and values of
 d_v, so its 4 s h becomes 2 s n_h (d_nope + d_rope + d_v).
 
+A multi-token-prediction module (DeepSeek-V3) runs, per token it scores, its projection (2 d -> d), one
+more layer and the shared head: F_MTP per token = 3 (4 h^2 + 2 W + 4 s h + 2 h V) for a module over s
+positions (module k of D sees s = T - k), with W the last layer's active weights.
+
 Source: Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Sec. 2.1; Narayanan et al.
 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Sec. 5.1
-and Appendix; DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (37B activated parameters per token).
+and Appendix; DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (37B activated parameters per token;
+Sec. 2.2, multi-token prediction).
 """
 
 from __future__ import annotations
@@ -60,6 +65,20 @@ def flops_per_token(model: ModelConfig | float, *, seq_len: int | None = None, r
     head_forward = 2 * h * model.vocab_size
     # 3 (2 L W + 4 L s h + 2 h V) [+ L (2 W + 4 s h) with recomputation]
     return (4 if recompute else 3) * layers_forward + 3 * head_forward
+
+
+def mtp_flops_per_token(cfg: ModelConfig, *, seq_len: int) -> float:
+    """Training FLOPs per scored token of one multi-token-prediction module over ``seq_len`` positions:
+    3 (4 h^2 + 2 W + 4 s h + 2 h V): the projection M_k, one more layer (the last layer's active weights W,
+    attention counted over all s positions) and the shared head; norms and the embedding look-up are free.
+
+    Module k of D on sequences of T tokens scores B (T - k) tokens at ``seq_len = T - k``; it is not part of
+    :func:`flops_per_token`, which counts the main model."""
+    _checks.require(_checks.model_config(cfg), _checks.positive_int(seq_len=seq_len))
+    h = cfg.d_model
+    forward = 2 * 2 * h * h + 2 * layer_weights(cfg, cfg.n_layers - 1, active=True)
+    forward += 2 * seq_len * _score_width(cfg) + 2 * h * cfg.vocab_size
+    return 3 * forward
 
 
 def training_flops(model: ModelConfig | float, tokens: float, *, recompute: bool = False) -> float:

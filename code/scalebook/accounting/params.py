@@ -147,15 +147,21 @@ def active_param_count(cfg: ModelConfig) -> int:
 def mtp_param_count(cfg: ModelConfig, *, with_shared: bool = False) -> int:
     """Parameters of the multi-token-prediction modules shipped beside the model (DeepSeek-V3: one).
 
-    Each is one more layer (the last layer's shape) with its two norms, the norms of the hidden state
-    and of the next token's embedding (2 d) and their projection W_eh (2 d -> d, 2 d^2), and a norm
-    before the shared head (d). The module uses the model's embedding and LM head; the Hub stores a
-    copy of each (2 V d more) with ``with_shared=True``. Not part of :func:`param_count`.
+    Each is one more layer (the last layer's shape) with its two norms (and its biases, in a model that
+    has them), the RMSNorms of the hidden state and of the next token's embedding (2 d) and their
+    projection W_eh (2 d -> d, 2 d^2), and an RMSNorm before the shared head (d):
+
+        N_MTP = D (layer + 2 d^2 + 3 d)      (a GPT layer: 12 d^2 + 13 d, so 14 d^2 + 16 d per module)
+
+    The module uses the model's embedding and LM head; the Hub stores a copy of each (2 V d more) with
+    ``with_shared=True``. Not part of :func:`param_count`; ``scalebook.mtp`` builds the module on the GPT.
     """
     _checks.require(_checks.model_config(cfg), _checks.one_of("with_shared", with_shared, (False, True)))
     d, mla = cfg.d_model, cfg.latent_attention
     latent_norms = 0 if mla is None else mla.q_lora_rank + mla.kv_lora_rank
-    layer = layer_weights(cfg, cfg.n_layers - 1) + 2 * d + latent_norms
+    norm = 2 * d if cfg.norm == "layernorm" and cfg.bias else d
+    biases = 2 * d + 2 * cfg.d_kv + (2 if cfg.mlp == "swiglu" else 1) * cfg.d_ff + d if cfg.bias else 0
+    layer = layer_weights(cfg, cfg.n_layers - 1) + 2 * norm + latent_norms + biases
     module = layer + 2 * d + 2 * d * d + d + (2 * cfg.vocab_size * d if with_shared else 0)
     return cfg.n_mtp_layers * module
 

@@ -2,7 +2,7 @@
 returns the figure; every public function is re-exported here, so ``plots.step_timeline(...)`` works.
 
     style          the book's matplotlib style (``STYLE``, :func:`use_style`) and the shared figure helper
-    training       loss curves; measured against predicted scaling on log axes
+    training       loss curves, held-out loss of several runs; measured against predicted scaling on log axes
     language       vocabulary-size trade-off; next-token distributions under sampling settings
     embeddings     similarity heatmaps; labelled 2-D maps
     hardware       GPU generations by year: 16-bit FLOP/s, HBM capacity and bandwidth, NVLink
@@ -27,7 +27,7 @@ from scalebook.plots.memory import memory_bars, memory_total_and_share, zero_mem
 from scalebook.plots.parallel import expert_load_imbalance, measured_vs_formula_bars, tensor_parallel_times
 from scalebook.plots.pipeline import bubble_vs_microbatches, pipeline_gantt
 from scalebook.plots.style import STYLE, figure_and_axes, use_style
-from scalebook.plots.training import loglog_scaling, loss_curve, scaling_curve
+from scalebook.plots.training import loglog_scaling, loss_curve, scaling_curve, validation_curves
 
 __all__ = [
     "STYLE",
@@ -54,6 +54,7 @@ __all__ = [
     "step_timeline",
     "tensor_parallel_times",
     "use_style",
+    "validation_curves",
     "vocab_tradeoff",
     "zero_memory_vs_dp",
 ]

@@ -1,5 +1,5 @@
-"""Training curves and scaling: the loss per step (Chapter 1), measured against predicted scaling on
-log axes (Chapters 4, 9, 10).
+"""Training curves and scaling: the loss per step (Chapter 1), held-out loss of several runs (Chapter 14),
+measured against predicted scaling on log axes (Chapters 4, 9, 10).
 
 Source: matplotlib documentation; the book's style, :mod:`scalebook.plots.style`.
 """
@@ -25,6 +25,26 @@ def loss_curve(losses: Sequence[float], *, smooth: int = 10, title: str = "Train
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title)
     ax.legend()
+    return fig
+
+
+def validation_curves(
+    curves: dict[str, tuple[Sequence[int], Sequence[float]]],
+    *,
+    ylabel: str = "held-out next-token loss (nats/token)",
+    title: str = "",
+    ax=None,
+):
+    """Held-out loss against the optimizer step, one line with markers per run; ``curves`` maps a label to
+    ``(steps, losses)``. The step-0 point (the untrained model) sets the top of the axis, so it is left out."""
+    fig, ax = figure_and_axes(ax)
+    for label, (steps, losses) in curves.items():
+        points = [(s, v) for s, v in zip(steps, losses, strict=True) if s > 0]
+        ax.plot([s for s, _ in points], [v for _, v in points], marker="o", markersize=4, label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
     return fig
 
 
