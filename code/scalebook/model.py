@@ -237,6 +237,18 @@ class GPT(nn.Module):
             positions = torch.arange(T, device=idx.device)
         return self.drop(self.wte(idx) + self.wpe(positions))
 
+    def hidden_states(self, idx: torch.Tensor, *, positions=None) -> torch.Tensor:
+        """The last block's output (B, T, d), before the final norm: what the head reads, and what a
+        multi-token-prediction module (:mod:`scalebook.mtp`) builds on."""
+        x = self.embed(idx, positions) if self.wte is not None else idx
+        for block in self.blocks:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                # Keep only the block input; recompute the block's activations during backward.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return x
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, positions=None):
         """``(logits, loss)`` of token ids ``idx``; loss is None without targets.
 
@@ -245,13 +257,7 @@ class GPT(nn.Module):
         ``wte`` the input is the previous stage's hidden states, and without ``lm_head`` the output is this
         stage's hidden states.
         """
-        x = self.embed(idx, positions) if self.wte is not None else idx
-        for block in self.blocks:
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                # Keep only the block input; recompute the block's activations during backward.
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+        x = self.hidden_states(idx, positions=positions)
         if self.lm_head is None:
             return x
         logits = self.lm_head(self.ln_f(x))
