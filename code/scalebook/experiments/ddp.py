@@ -7,7 +7,8 @@ process without communication, all through one loop (:class:`DataParallelRun`):
 * :func:`train_data_parallel` trains one setup and reports its losses, step times, collective calls and
   bytes (:func:`scalebook.comm.traffic.count_traffic`), each all-reduce's launch and completion
   (:class:`Span`, recorded by one communication hook, :func:`probed_allreduce_hook`, that serves torch DDP
-  and the book's versions alike) and its buckets;
+  and the book's versions alike) and its buckets; or, with ``comm_hook="fp16"``, averages in 16 bits
+  through a compression hook (torch's ``fp16_compress_hook`` on torch DDP, the book's on its versions);
 * :func:`compare_step_times` times several setups side by side, one step of each in turn;
 * :func:`hidden_communication` measures how much of the all-reduce time a timeline hides behind backward;
 * :func:`predicted_step_time` predicts a step on GPUs with the alpha-beta model;
@@ -20,6 +21,7 @@ Source: Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data P
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from scalebook.accounting.comm import alpha_beta_time
@@ -37,12 +40,22 @@ from scalebook.comm.traffic import count_traffic
 from scalebook.configs import ModelConfig
 from scalebook.data import corpus_tokens, get_batch
 from scalebook.model import GPT, GPTConfig
-from scalebook.parallel.ddp import DEFAULT_BUCKET_CAP_MB, MIB, AllReduceDDP, BucketedDDP, DataParallel, OverlappedDDP
+from scalebook.parallel.ddp import (
+    DEFAULT_BUCKET_CAP_MB,
+    MIB,
+    AllReduceDDP,
+    BucketedDDP,
+    DataParallel,
+    OverlappedDDP,
+    compress_hook,
+)
 from scalebook.train import TrainConfig, lr_at, make_optimizer
 
 VERSIONS = {"allreduce": AllReduceDDP, "bucketed": BucketedDDP, "overlapped": OverlappedDDP}
 # Two references run through the same loop: PyTorch's own DDP, and one process without any communication.
 REFERENCES = ("torch", "single")
+# Averaging in 16 bits (communication hooks that halve the bytes): the dtype each one sends.
+COMM_HOOKS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -111,6 +124,9 @@ class DataParallelRun:
     alike. ``all_reduce`` is ``"library"`` (``dist.all_reduce``) or one of the from-scratch all-reduces of
     :mod:`scalebook.comm.collectives` (``"ring"``, ``"tree"``, ``"naive"``), for every version. With
     ``record_grads``, each step keeps in ``grads`` the gradients the optimizer receives, before clipping.
+    ``comm_hook`` (``"fp16"`` or ``"bf16"``) averages in 16 bits instead of probing: torch DDP gets torch's
+    ``fp16_compress_hook`` (torch refuses its bf16 hook without CUDA and NCCL), the book's versions
+    :func:`scalebook.parallel.ddp.compress_hook`, over the chosen ``all_reduce``.
     """
 
     def __init__(
@@ -125,7 +141,17 @@ class DataParallelRun:
         probe: bool = False,
         all_reduce: str = "library",
         record_grads: bool = False,
+        comm_hook: str | None = None,
     ):
+        if comm_hook is not None and comm_hook not in COMM_HOOKS:
+            raise ValueError(f"comm_hook must be None or one of {sorted(COMM_HOOKS)}, got {comm_hook!r}")
+        if comm_hook is not None and version == "single":
+            raise ValueError("comm_hook needs a data-parallel version: one process has nothing to communicate")
+        if comm_hook is not None and version == "torch" and (comm_hook != "fp16" or all_reduce != "library"):
+            raise ValueError(
+                "torch DDP runs torch's fp16_compress_hook over dist.all_reduce only (its bf16 hook "
+                "needs CUDA and NCCL); use one of the book's versions for bf16 or a from-scratch all_reduce"
+            )
         if version not in (*VERSIONS, *REFERENCES):
             raise ValueError(f"version must be one of {(*VERSIONS, *REFERENCES)}, got {version!r}")
         if all_reduce != "library" and all_reduce not in ALL_REDUCES:
@@ -151,7 +177,14 @@ class DataParallelRun:
             kwargs = {} if version == "allreduce" else {"bucket_cap_mb": bucket_cap_mb}
             self.wrapped = VERSIONS[version](self.model, forward_sync_buffers=False, **kwargs)
         from_scratch = ALL_REDUCES.get(all_reduce)  # None: the library's dist.all_reduce
-        if version != "single" and (probe or from_scratch is not None):
+        if comm_hook is not None:  # no probe: the hook does the averaging (and count_traffic still sees it)
+            hook = (
+                default_hooks.fp16_compress_hook
+                if version == "torch"
+                else functools.partial(compress_hook, COMM_HOOKS[comm_hook], all_reduce=from_scratch)
+            )
+            self.wrapped.register_comm_hook(None, hook)
+        elif version != "single" and (probe or from_scratch is not None):
             self.probe = CommProbe({id(p): n for n, p in self.model.named_parameters()}, self.spans,
                                    all_reduce=from_scratch)  # fmt: skip
             self.wrapped.register_comm_hook(self.probe, probed_allreduce_hook)
@@ -219,6 +252,7 @@ def train_data_parallel(
     keep_params: bool = False,
     keep_grads: bool = False,
     all_reduce: str = "library",
+    comm_hook: str | None = None,
 ) -> dict:
     """Train one :class:`DataParallelRun` for ``train_config.steps`` steps on this rank and report it.
 
@@ -231,10 +265,11 @@ def train_data_parallel(
     are as in :class:`DataParallelRun`. With a from-scratch ``all_reduce`` (say ``"ring"``) the bytes are
     counted at its ``isend`` calls, so they are measured (and ``calls`` counts its ``isend``/``irecv``
     calls); with the library's, ``count_traffic`` can only charge each call the ring algorithm's bytes.
+    With ``comm_hook`` (see :class:`DataParallelRun`) no spans or buckets are recorded.
     """
     run = DataParallelRun(
         version, model_config, train_config, bucket_cap_mb=bucket_cap_mb, tokens=tokens, dtype=dtype, probe=True,
-        all_reduce=all_reduce, record_grads=keep_grads,
+        all_reduce=all_reduce, record_grads=keep_grads, comm_hook=comm_hook,
     )  # fmt: skip
     first_grads = None
     losses, step_times, calls, bytes_sent = [], [], [], []

@@ -22,11 +22,13 @@ Each wraps any ``nn.Module`` the way ``torch.nn.parallel.DistributedDataParallel
 replica from rank 0's parameters and buffers (and, with ``forward_sync_buffers``, torch 2.13's name for
 ``broadcast_buffers``, re-broadcasts the buffers before each forward), skips frozen parameters, reduces
 a parameter shared by two modules once, and offers ``no_sync()`` for gradient accumulation and
-``register_comm_hook`` for a custom reduction. A parameter that gets no gradient on a rank (unused in
-its forward) contributes zeros, so every rank still issues the same collectives in the same order;
-afterwards its ``.grad`` holds the average over ranks. With ``find_unused_parameters=True`` one more
-small all-reduce finds the parameters no rank used, whose ``.grad`` then stays ``None``, as in torch DDP
-(an optimizer skips them; a zero gradient would still decay them). One training loop drives the three::
+``register_comm_hook`` for a custom reduction (:func:`fp16_compress_hook` and :func:`bf16_compress_hook`
+halve the bytes by averaging in 16 bits, as torch's hooks of those names do). A parameter that gets no
+gradient on a rank (unused in its forward) contributes zeros, so every rank still issues the same
+collectives in the same order; afterwards its ``.grad`` holds the average over ranks. With
+``find_unused_parameters=True`` one more small all-reduce finds the parameters no rank used, whose
+``.grad`` then stays ``None``, as in torch DDP (an optimizer skips them; a zero gradient would still decay
+them). One training loop drives the three::
 
     for i, (x, y) in enumerate(micro_batches):
         with model.no_sync() if i < len(micro_batches) - 1 else nullcontext():
@@ -39,7 +41,8 @@ Chapter 10's experiments (timelines, step times, traffic) run these classes from
 
 Source: Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training"
 (VLDB), Sec. 3.2 (bucketing, overlap, no_sync); PyTorch documentation, "DistributedDataParallel" and
-"DDP Communication Hooks"; Tazi et al. 2025, "The Ultra-Scale Playbook", data parallelism.
+"DDP Communication Hooks" (``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``); Tazi et al.
+2025, "The Ultra-Scale Playbook", data parallelism.
 """
 
 from __future__ import annotations
@@ -91,6 +94,47 @@ class GradBucket:
 
     def parameters(self) -> list[nn.Parameter]:
         return self.params
+
+
+def compress_hook(dtype: torch.dtype, process_group, bucket, *, all_reduce: Callable | None = None):
+    """Average ``bucket`` over the ranks in ``dtype``: cast, divide by the group size, all-reduce, copy back.
+
+    torch's ``_compress_hook`` from scratch, the same operations in the same order (the cast first, then the
+    division, in ``dtype``), so that it gives the same bits; the message has ``dtype``'s width, half of
+    fp32's for fp16 and bf16. The result is written back into the bucket's buffer in its own dtype. Each
+    element is rounded to ``dtype`` (relative error up to 2^-11 in fp16, 2^-8 in bf16), and again by each
+    addition of the all-reduce; fp16 also flushes magnitudes below 2^-24 to zero after the division by the
+    group size. ``process_group`` is the hook's state (None: the default group). ``all_reduce``, if given,
+    is a blocking from-scratch sum ``all_reduce(tensor, group)`` such as
+    ``scalebook.comm.collectives.ring_all_reduce``, used instead of ``dist.all_reduce``.
+    (No annotations on the hook's arguments: torch's ``register_comm_hook`` compares them with its types.)
+    """
+    buffer = bucket.buffer()
+    compressed = buffer.to(dtype).div_(dist.get_world_size(process_group))
+
+    def decompress(total: torch.Tensor) -> torch.Tensor:
+        return buffer.copy_(total)  # in place, as torch's hook: no second full-width buffer
+
+    if all_reduce is not None:
+        all_reduce(compressed, process_group)
+        future = torch.futures.Future()
+        future.set_result(decompress(compressed))
+        return future
+    work = dist.all_reduce(compressed, group=process_group, async_op=True)
+    return work.get_future().then(lambda future: decompress(future.value()[0]))
+
+
+def fp16_compress_hook(process_group, bucket):
+    """A communication hook that all-reduces the bucket in fp16: torch's ``fp16_compress_hook``, from scratch
+    (:func:`compress_hook`). Register it with ``model.register_comm_hook(process_group_or_None, hook)``."""
+    return compress_hook(torch.float16, process_group, bucket)
+
+
+def bf16_compress_hook(process_group, bucket):
+    """A communication hook that all-reduces the bucket in bf16: torch's ``bf16_compress_hook``, from scratch
+    (:func:`compress_hook`). torch's own refuses to register without CUDA and NCCL; gloo sums bf16, so this
+    one also runs on CPU ranks."""
+    return compress_hook(torch.bfloat16, process_group, bucket)
 
 
 class DataParallel(nn.Module):
