@@ -123,7 +123,12 @@ SLOW = {
     # tmp_path, or launches training every layout for 6 steps and resuming it: 5-30 s each
     "test_cli.py": {"tmp_path"},
     "test_cli_strategies.py": {"single", "wrappers", "dimensions", "four_ranks"},
-    "test_hf_train.py": {"test_trainer_trains_our_gpt_with_ddp_on_two_ranks"},
+    # the Trainer under torchrun and under accelerate launch (the `launched` fixture), an accelerate launch
+    "test_hf_train.py": {
+        "test_trainer_trains_our_gpt_with_ddp_on_two_ranks",
+        "launched",
+        "test_accelerate_on_cpu_without_mpirun_starts_one_process",
+    },
     # launches of 4 or 8 ranks, waits for a timeout, or many training steps
     "test_collectives.py": {"reports"},
     "test_context_parallel.py": {"launched[4]"},

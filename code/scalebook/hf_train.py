@@ -12,16 +12,32 @@ Run ``torchrun --nproc-per-node 2 -m scalebook.hf_train --output-dir out`` (or `
 our GPT exported with :meth:`scalebook.model.GPT.to_hf` as a ``GPT2LMHeadModel``; tokens are bytes, so
 no tokenizer download is needed.
 
-Source: Hugging Face documentation, "Trainer", "TrainingArguments" and "datasets: Load text data".
+The same module runs under ``accelerate launch --config_file FILE -m scalebook.hf_train ...``:
+:func:`write_accelerate_config` writes the file that ``accelerate config`` would write, and :func:`launch`
+starts the module under either launcher and collects what each rank saw (:func:`launcher_env`, printed by
+every rank before training) and rank 0's losses.
+
+Source: Hugging Face documentation, "Trainer", "TrainingArguments" and "datasets: Load text data";
+Accelerate documentation, "Launching your Accelerate scripts" and "accelerate config" (1.15).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+#: What a launcher hands each rank, besides the ``ACCELERATE_*`` variables (the error file's path and the
+#: thread count, which the caller sets, are left out).
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                      "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                      "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")  # fmt: skip
 
 
 def load_blocks(data_files: list[str], seq_len: int):
@@ -56,8 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def launcher_env(environ=None) -> dict[str, str]:
+    """The variables a launcher set for this process: ``LAUNCHER_VARIABLES`` and every ``ACCELERATE_*``."""
+    environ = os.environ if environ is None else environ
+    return {k: environ[k] for k in sorted(environ) if k in LAUNCHER_VARIABLES or k.startswith("ACCELERATE_")}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Before anything reads (or sets) them: what the launcher handed this rank, one JSON line per rank.
+    print(json.dumps({"launcher_env": launcher_env()}), flush=True)
     import torch
     from transformers import Trainer, TrainingArguments
 
@@ -88,6 +112,92 @@ def main(argv: list[str] | None = None) -> int:
                   * targs.world_size * args.grad_accum * args.seq_len, "losses": losses}  # fmt: skip
         print(json.dumps(record), flush=True)
     return 0
+
+
+def write_accelerate_config(
+    path, num_processes: int, *, num_machines: int = 1, mixed_precision: str = "no", main_process_port: int = 0
+) -> Path:
+    """Write the YAML file that ``accelerate config`` writes for one process per device; return its path.
+
+    ``distributed_type`` is ``MULTI_GPU`` for several processes (Accelerate's multi-process launcher, which
+    runs ``torchrun``'s code; the training script picks the device: here the Trainer takes the CPU and gloo
+    where there is no CUDA) and ``NO`` for one. ``main_process_port=0`` asks for a free port, so that runs
+    side by side do not collide. Written by Accelerate's own ``ClusterConfig.to_yaml_file``, as the
+    interactive command does after its questions.
+    """
+    if num_processes < 1 or num_machines < 1 or num_processes % num_machines:
+        raise ValueError(f"num_processes ({num_processes}) must be a positive multiple of num_machines "
+                         f"({num_machines}): Accelerate starts num_processes / num_machines per machine")  # fmt: skip
+    if mixed_precision not in ("no", "fp16", "bf16"):
+        raise ValueError(f"mixed_precision must be 'no', 'fp16' or 'bf16', got {mixed_precision!r}")
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils import ComputeEnvironment, DistributedType
+
+    config = ClusterConfig(
+        compute_environment=ComputeEnvironment.LOCAL_MACHINE,
+        distributed_type=DistributedType.MULTI_GPU if num_processes > 1 else DistributedType.NO,
+        mixed_precision=mixed_precision, use_cpu=False, debug=False, num_processes=num_processes,
+        num_machines=num_machines, main_process_port=main_process_port,
+    )  # fmt: skip
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config.to_yaml_file(path)
+    return path
+
+
+@dataclass
+class LaunchedRun:
+    """The outcome of :func:`launch`: the command, its exit code, each rank's launcher variables (by rank),
+    rank 0's record (``world_size``, ``tokens_per_step``, ``losses``) and stderr."""
+
+    command: list[str]
+    returncode: int
+    rank_envs: list[dict[str, str]]
+    record: dict | None
+    stderr: str
+
+    @property
+    def shown(self) -> str:
+        """The command as a user types it (``torchrun ...`` or ``accelerate launch ...``)."""
+        prefix = {"torch.distributed.run": "torchrun", "accelerate.commands.accelerate_cli": "accelerate"}
+        return " ".join([prefix[self.command[2]], *self.command[3:]])
+
+
+def launch(
+    launcher: str, train_args: list[str], *, nproc: int = 2, config_file=None, timeout: float = 300.0
+) -> LaunchedRun:
+    """Run ``-m scalebook.hf_train`` under ``"torchrun"`` (``nproc`` ranks) or ``"accelerate"`` (``accelerate
+    launch --config_file config_file``, which takes the number of processes from the file).
+
+    The ranks get one thread each and no network (``HF_HUB_OFFLINE``). After ``timeout`` seconds the launcher
+    and its ranks are killed and TimeoutExpired raised.
+    """
+    python = sys.executable
+    if launcher == "torchrun":
+        if nproc < 1:
+            raise ValueError(f"nproc must be >= 1, got {nproc}")
+        head = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    elif launcher == "accelerate":
+        if config_file is None:
+            raise ValueError("launch('accelerate', ...) needs config_file=: write one with write_accelerate_config")
+        head = [python, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config_file)]
+    else:
+        raise ValueError(f"launcher must be 'torchrun' or 'accelerate', got {launcher!r}")
+    command = [*head, "-m", "scalebook.hf_train", *train_args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and, in its session, every rank
+            proc.communicate()
+            raise
+    # The Trainer also prints its log as Python dicts ({'loss': ...}); ours are JSON objects.
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"')]
+    rank_envs = sorted((r["launcher_env"] for r in lines if "launcher_env" in r), key=lambda e: int(e.get("RANK", 0)))
+    record = next((r for r in reversed(lines) if "losses" in r), None)
+    return LaunchedRun(command, proc.returncode, rank_envs, record, stderr)
 
 
 if __name__ == "__main__":
