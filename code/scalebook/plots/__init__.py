@@ -8,7 +8,7 @@ returns the figure; every public function is re-exported here, so ``plots.step_t
     hardware       GPU generations by year: 16-bit FLOP/s, HBM capacity and bandwidth, NVLink
     attention      attention maps; softmax saturation against head width
     memory         what a device holds against its capacity; ZeRO's bytes per parameter
-    communication  collectives before and after; one data-parallel step's timeline
+    communication  collectives before and after; one data-parallel step's timeline; load against ranks
     parallel       tensor-parallel times, measured against formula bars, expert load
     pipeline       pipeline schedules' timelines; the bubble against micro-batches
 
@@ -19,7 +19,7 @@ Source: matplotlib documentation, "Customizing Matplotlib with style sheets and 
 """
 
 from scalebook.plots.attention import attention_map, attention_map_grid, softmax_saturation
-from scalebook.plots.communication import collective_before_after, step_timeline
+from scalebook.plots.communication import collective_before_after, step_timeline, traffic_vs_ranks
 from scalebook.plots.embeddings import labelled_scatter, similarity_heatmap
 from scalebook.plots.hardware import hardware_growth, hardware_numbers
 from scalebook.plots.language import cumulative_mass, next_token_bars, vocab_tradeoff
@@ -53,6 +53,7 @@ __all__ = [
     "softmax_saturation",
     "step_timeline",
     "tensor_parallel_times",
+    "traffic_vs_ranks",
     "use_style",
     "validation_curves",
     "vocab_tradeoff",

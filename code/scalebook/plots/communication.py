@@ -1,5 +1,5 @@
-"""Communication (Chapters 9, 10): each rank's buffer before and after a collective, and one training
-step's compute and all-reduce lanes as a timeline.
+"""Communication (Chapters 9, 10): each rank's buffer before and after a collective, one training step's
+compute and all-reduce lanes as a timeline, and a per-rank load (bytes, seconds) against the number of ranks.
 
 Source: matplotlib documentation; the book's style, :mod:`scalebook.plots.style`.
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
+
+from scalebook.plots.style import figure_and_axes
 
 
 def collective_before_after(cases: dict, *, owner=None, title: str = "", cell: float = 0.3):
@@ -102,4 +104,35 @@ def step_timeline(
     handles.append(Patch(color=comm_colors[0], label="all-reduce (launch to completion)"))
     fig.legend(handles=handles, loc="lower center", ncol=5, frameon=False, fontsize=8)
     fig.tight_layout(rect=(0, 0.45 / height, 1, 1))
+    return fig
+
+
+def traffic_vs_ranks(
+    formulas: dict[str, tuple[Sequence[int], Sequence[float]]],
+    measured: dict[str, tuple[Sequence[int], Sequence[float]]] | None = None,
+    *,
+    ylabel: str = "",
+    title: str = "",
+    logy: bool = False,
+    ax=None,
+):
+    """What one rank carries (bytes, seconds) against the number of ranks: each ``formulas[label] = (ranks,
+    values)`` as a line, and the ``measured`` values of the same label as markers in its colour (a measured
+    label without a formula gets its own colour)."""
+    fig, ax = figure_and_axes(ax)
+    colors = plt.get_cmap("tab10").colors
+    labels = list(dict.fromkeys([*formulas, *(measured or {})]))
+    for i, label in enumerate(labels):
+        color = colors[i % 10]
+        if label in formulas:
+            ax.plot(*formulas[label], color=color, linewidth=1.6, label=f"{label} (formula)")
+        if measured and label in measured:
+            ax.plot(*measured[label], marker="o", markersize=6, linestyle="none", color=color,
+                    markeredgecolor="black", label=f"{label} (measured)")  # fmt: skip
+    ax.set_xlabel("ranks d")
+    ax.set_ylabel(ylabel)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7.5)
     return fig
