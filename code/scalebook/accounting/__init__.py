@@ -14,6 +14,7 @@ chapters check these numbers against.
     comm     bytes_sent_per_rank, alpha_beta_time, data_parallel_bytes_per_step,
              tensor_parallel_bytes_per_layer, parameter_server_bytes_per_step, parameter_server_time
     pipeline bubble_fraction, peak_in_flight, p2p_bytes_per_step, balanced_partition, stage_memory
+    async_tp chunked_overlap_time, async_tp_layer_times (communication hidden under decomposed matmuls)
     precision format_bytes (fp8 with its scales), deepseek_v3_state_bytes
     roofline gpt_layer_ops, matmul_cost, ridge_point, attainable_flops, memory_bound (arithmetic intensity)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -38,7 +39,11 @@ from scalebook.accounting.params import layer_matmul_weights
 from scalebook.comm import count_traffic, launch
 from scalebook.configs import ModelConfig
 from scalebook.model import GPT, GPTConfig
-from scalebook.parallel.sequence import all_reduce_sequence_parallel_grads
+from scalebook.parallel.sequence import (
+    all_reduce_sequence_parallel_grads,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from scalebook.parallel.tensor import apply_tensor_parallel, full_gradients, sharding_of, validate_tensor_parallel
 from scalebook.parity import max_relative_difference
 
@@ -142,6 +147,66 @@ def dtensor_full_gradients(model: GPT, tp: int) -> dict[str, torch.Tensor]:
     return grads
 
 
+# -------------------------------------------------------------- async TP: a collective decomposed into steps
+
+
+def _ring_step(outgoing: torch.Tensor, incoming: torch.Tensor, group) -> list:
+    """Post one ring step, send ``outgoing`` to the next rank and receive ``incoming`` from the previous one, in
+    one ``batch_isend_irecv`` (as NCCL needs); returns the works to wait for, so compute can run meanwhile."""
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    return dist.batch_isend_irecv([
+        dist.P2POp(dist.irecv, incoming, group=group, group_peer=(rank - 1) % tp),
+        dist.P2POp(dist.isend, outgoing, group=group, group_peer=(rank + 1) % tp),
+    ])  # fmt: skip
+
+
+def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None):
+    """``F.linear(all-gather of x_shard along the sequence, weight, bias)``, the all-gather decomposed into
+    ``t - 1`` ring steps and each step's transfer overlapped with the matmul of the shard already here.
+
+    ``x_shard`` is this rank's ``(b, s/t, h)`` tokens; the result is ``(b, s, out)``, the tokens in rank order,
+    as a column-parallel layer under sequence parallelism computes it. At step ``k`` this rank holds rank
+    ``r - k``'s shard: it posts the shard to rank ``r + 1`` and the receive of rank ``r - k - 1``'s, multiplies,
+    then waits. Forward only (async TP's idea; PyTorch's ``fused_all_gather_matmul`` does the same on GPUs).
+    """
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    pieces: list[torch.Tensor | None] = [None] * tp
+    current = x_shard.contiguous()
+    for step in range(tp):
+        works, incoming = [], None
+        if step < tp - 1:  # the next shard travels while this one is multiplied
+            incoming = torch.empty_like(current)
+            works = _ring_step(current, incoming, group)
+        pieces[(rank - step) % tp] = F.linear(current, weight, bias)
+        for work in works:
+            work.wait()
+        current = incoming
+    return torch.cat(pieces, dim=1)
+
+
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None):
+    """This rank's ``(b, s/t, out)`` tokens of ``sum over ranks of F.linear(x, weight)``, plus ``bias``: a
+    row-parallel layer's matmul and reduce-scatter under sequence parallelism, decomposed by tokens.
+
+    At step ``k`` this rank multiplies the tokens of rank ``r - k - 1``, adds the running sum received from
+    rank ``r - 1`` and sends it on to rank ``r + 1``; the transfer overlaps the next step's matmul. After
+    ``t - 1`` steps the sum that arrives is this rank's own tokens'. Forward only.
+    """
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = x.chunk(tp, dim=1)
+    works, received, outgoing = [], None, None
+    for step in range(tp):
+        total = F.linear(chunks[(rank - step - 1) % tp], weight)  # overlaps the transfer posted last step
+        for work in works:
+            work.wait()
+        if received is not None:
+            total = received + total
+        if step < tp - 1:
+            outgoing, received = total, torch.empty_like(total)
+            works = _ring_step(outgoing, received, group)
+    return total if bias is None else total + bias
+
+
 # ---------------------------------------------------------------------------------- measuring it on ranks
 
 
@@ -226,6 +291,54 @@ def _measure_layout(reference: GPT, ref_loss: float, ref_grads: dict, batch, gro
     }
 
 
+def _integer_valued(shape, generator) -> torch.Tensor:
+    """Small whole numbers as float32: every product and sum of them is exact, in any order."""
+    return torch.randint(-3, 4, shape, generator=generator).float()
+
+
+def measure_decomposed_mlp(reference: GPT, group, *, seq_len: int, micro_batch: int, seed: int = 0) -> dict:
+    """Async TP's decomposed collectives on this rank against the library's sequence-parallel MLP.
+
+    With the first block's MLP of ``reference`` made tensor- and sequence-parallel over ``group``, and the same
+    ``(b, s, h)`` input drawn on every rank (each keeps its ``s/t`` tokens): the largest difference between
+    :func:`all_gather_matmul` + GeLU + :func:`matmul_reduce_scatter` and the MLP module (which all-gathers,
+    multiplies, reduce-scatters); whether both decomposed functions give exactly the undecomposed results on
+    integer-valued inputs and weights; and the messages each sent (``isend`` sizes) and the bytes of the
+    library collectives they replace, as :func:`scalebook.comm.count_traffic` recorded them.
+    """
+    tp, rank, h = dist.get_world_size(group), dist.get_rank(group), reference.config.n_embd
+    mlp = sharded_copy(reference, group, sequence_parallel=True).blocks[0].mlp
+    generator = torch.Generator().manual_seed(seed)
+    x_shard = torch.randn(micro_batch, seq_len, h, generator=generator).chunk(tp, dim=1)[rank]
+    with torch.no_grad():
+        with count_traffic() as library:
+            plain = mlp(x_shard)  # the module gathers its input; c_proj reduce-scatters
+        with count_traffic() as gather:
+            hidden = all_gather_matmul(x_shard, mlp.c_fc.weight, mlp.c_fc.bias, group)
+        with count_traffic() as scatter:
+            decomposed = matmul_reduce_scatter(mlp.gelu(hidden), mlp.c_proj.weight, mlp.c_proj.bias, group)
+        # Exactness: whole numbers, so any order of the sums gives the same floats. The input is one tensor cut
+        # by tokens; each rank's weights and row-parallel input are its own.
+        x_int = _integer_valued((micro_batch, seq_len, h), generator).chunk(tp, dim=1)[rank]
+        own = torch.Generator().manual_seed(seed + 1 + rank)
+        w_in, w_out = _integer_valued(mlp.c_fc.weight.shape, own), _integer_valued(mlp.c_proj.weight.shape, own)
+        y_int = _integer_valued((micro_batch, seq_len, w_out.shape[1]), own)
+        gathered = F.linear(gather_from_sequence_parallel_region(x_int, group), w_in)
+        exact_gather = torch.equal(all_gather_matmul(x_int, w_in, None, group), gathered)
+        scattered = reduce_scatter_to_sequence_parallel_region(F.linear(y_int, w_out), group)
+        exact_scatter = torch.equal(matmul_reduce_scatter(y_int, w_out, None, group), scattered)
+    return {
+        "max_error": (decomposed - plain).abs().max().item(),
+        "scale": plain.abs().max().item(),
+        "exact": exact_gather and exact_scatter,
+        "gather_messages": [c.message_bytes for c in gather.of("isend")],
+        "scatter_messages": [c.message_bytes for c in scatter.of("isend")],
+        "gather_sent": gather.bytes_sent(),
+        "scatter_sent": scatter.bytes_sent(),
+        "library": _traffic_by_op(library),
+    }  # fmt: skip
+
+
 def measure_tensor_parallel(
     tps: tuple[int, ...] = (2, 4), *, size: str = "tiny", seq_len: int = 64, micro_batch: int = 4, seed: int = 0
 ) -> dict:
@@ -236,8 +349,9 @@ def measure_tensor_parallel(
     parallelism: the loss and gathered gradients of the sharded model and their largest deviation from
     the reference (``grad_error`` absolute, ``grad_rel_error`` by :func:`scalebook.parity.max_relative_difference`); the
     communication calls, message bytes and ring bytes sent of one block's forward and backward pass and
-    of the whole model; the activation bytes saved for backward inside the blocks; the parameter bytes.
-    Returns ``{"reference": {...}, (tp, sp): {...}, ...}`` as seen by this rank.
+    of the whole model; the activation bytes saved for backward inside the blocks; the parameter bytes. And
+    for each ``tp``, async TP's decomposed MLP against the library's (:func:`measure_decomposed_mlp`).
+    Returns ``{"reference": {...}, (tp, sp): {...}, ("async", tp): {...}, ...}`` as seen by this rank.
     """
     torch.manual_seed(seed)
     config = GPTConfig.named(size)
@@ -261,6 +375,8 @@ def measure_tensor_parallel(
     for tp in tps:
         for sp in (False, True):
             results[(tp, sp)] = _measure_layout(reference, ref_loss.item(), ref_grads, batch, groups[tp], sp, seed)
+        results[("async", tp)] = measure_decomposed_mlp(reference, groups[tp], seq_len=seq_len,
+                                                        micro_batch=micro_batch, seed=seed)  # fmt: skip
     return results
 
 
