@@ -9,7 +9,7 @@ returns the figure; every public function is re-exported here, so ``plots.step_t
     attention      attention maps; softmax saturation against head width
     memory         what a device holds against its capacity; ZeRO's bytes per parameter
     communication  collectives before and after; one data-parallel step's timeline; load against ranks
-    parallel       tensor-parallel times, measured against formula bars, expert load
+    parallel       tensor-parallel times, async TP's exposed communication, measured against formula bars, expert load
     pipeline       pipeline schedules' timelines; the bubble against micro-batches
 
 All of them, and every figure a chapter draws itself, use one style: ``scalebook.mplstyle``.
@@ -24,7 +24,12 @@ from scalebook.plots.embeddings import labelled_scatter, similarity_heatmap
 from scalebook.plots.hardware import hardware_growth, hardware_numbers
 from scalebook.plots.language import cumulative_mass, next_token_bars, vocab_tradeoff
 from scalebook.plots.memory import memory_bars, memory_total_and_share, zero_memory_vs_dp
-from scalebook.plots.parallel import expert_load_imbalance, measured_vs_formula_bars, tensor_parallel_times
+from scalebook.plots.parallel import (
+    expert_load_imbalance,
+    exposed_communication,
+    measured_vs_formula_bars,
+    tensor_parallel_times,
+)
 from scalebook.plots.pipeline import bubble_vs_microbatches, pipeline_gantt
 from scalebook.plots.style import STYLE, figure_and_axes, use_style
 from scalebook.plots.training import loglog_scaling, loss_curve, scaling_curve, validation_curves
@@ -37,6 +42,7 @@ __all__ = [
     "collective_before_after",
     "cumulative_mass",
     "expert_load_imbalance",
+    "exposed_communication",
     "figure_and_axes",
     "hardware_growth",
     "hardware_numbers",

@@ -1,5 +1,6 @@
-"""Tensor and expert parallelism (Chapters 12, 14): time per layer against the tensor-parallel degree,
-measured bytes against their formula, and expert load over training.
+"""Tensor and expert parallelism (Chapters 12, 14): time per layer against the tensor-parallel degree, the
+communication async tensor parallelism leaves exposed, measured bytes against their formula, and expert load
+over training.
 
 Source: matplotlib documentation; the book's style, :mod:`scalebook.plots.style`.
 """
@@ -42,6 +43,36 @@ def tensor_parallel_times(
     ax.set_ylabel("ms per layer (forward + backward)")
     ax.set_title(title)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=3, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def exposed_communication(
+    xs: Sequence[float],
+    compute: Sequence[float],
+    communication: Sequence[float],
+    exposed: Sequence[float],
+    *,
+    xlabel: str,
+    title: str = "",
+    ax=None,
+):
+    """Milliseconds per layer against ``xs`` (log-log, base 2): the compute, the communication back to back,
+    and what of it stays exposed when each collective is decomposed and overlapped with its matmul."""
+    from matplotlib.ticker import NullLocator
+
+    fig, ax = figure_and_axes(ax)
+    ax.plot(xs, [1e3 * c for c in compute], "o-", color="black", linewidth=2, label="compute")
+    ax.plot(xs, [1e3 * c for c in communication], "s--", color="tab:red", label="communication, back to back")
+    ax.plot(xs, [1e3 * e for e in exposed], "^-", color="tab:green", label="exposed with async TP")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs), [f"{x:g}" for x in xs])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("ms per layer (forward + backward)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
