@@ -11,6 +11,7 @@ returns the figure; every public function is re-exported here, so ``plots.step_t
     communication  collectives before and after; one data-parallel step's timeline; load against ranks
     parallel       tensor-parallel times, async TP's exposed communication, measured against formula bars, expert load
     pipeline       pipeline schedules' timelines; the bubble against micro-batches
+    sharding       one fully sharded step's all-gathers, waits and computations per unit, with and without prefetch
 
 All of them, and every figure a chapter draws itself, use one style: ``scalebook.mplstyle``.
 :func:`scalebook.notebook.setup` applies it; call :func:`use_style` to get it in your own scripts.
@@ -31,6 +32,7 @@ from scalebook.plots.parallel import (
     tensor_parallel_times,
 )
 from scalebook.plots.pipeline import bubble_vs_microbatches, pipeline_gantt
+from scalebook.plots.sharding import prefetch_timeline
 from scalebook.plots.style import STYLE, figure_and_axes, use_style
 from scalebook.plots.training import loglog_scaling, loss_curve, scaling_curve, validation_curves
 
@@ -54,6 +56,7 @@ __all__ = [
     "memory_total_and_share",
     "next_token_bars",
     "pipeline_gantt",
+    "prefetch_timeline",
     "scaling_curve",
     "similarity_heatmap",
     "softmax_saturation",
