@@ -3,7 +3,7 @@ what it decides and what it hands to the layer below.
 
 Source: SLURM documentation (sbatch, srun, environment variables); PyTorch documentation, "torchrun (Elastic
 Launch)" and "Distributed communication package"; Accelerate documentation, "Launching your Accelerate
-scripts"; the lecture notes' layered figure of SLURM, torchrun, the Trainer and NCCL (torres2025supercomputing).
+scripts"; the layered figure of SLURM, torchrun, the Trainer and NCCL in Torres' lecture notes (2025, ch. 13).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def launch_stack(layers=LAUNCH_STACK, *, title: str = "", ax=None):
         if i < n - 1:  # the arrow to the next layer, labelled with what crosses it
             ax.annotate("", xy=(0.25, y + (row_h - box_h) / 2 - 0.36), xytext=(0.25, y + (row_h - box_h) / 2 - 0.02),
                         arrowprops={"arrowstyle": "->", "color": "0.35"})  # fmt: skip
-            ax.text(0.4, y - 0.0, "\n".join(textwrap.wrap(hands_down, 118)), ha="left", va="center", fontsize=6.8,
+            ax.text(0.4, y, "\n".join(textwrap.wrap(hands_down, 118)), ha="left", va="center", fontsize=6.8,
                     family="monospace", color="0.3", linespacing=1.15)  # fmt: skip
     ax.text(box_w + 0.25, n + 0.05, "what it decides", ha="left", va="bottom", fontsize=8.5, style="italic")
     ax.text(0.0, n + 0.05, "layer (alternatives side by side)", ha="left", va="bottom", fontsize=8.5, style="italic")
