@@ -11,6 +11,7 @@ returns the figure; every public function is re-exported here, so ``plots.step_t
     communication  collectives before and after; one data-parallel step's timeline; load against ranks
     parallel       tensor-parallel times, async TP's exposed communication, measured against formula bars, expert load
     pipeline       pipeline schedules' timelines; the bubble against micro-batches
+    stack          the layers of a launched job, SLURM to the links, and what each decides
     sharding       one fully sharded step's all-gathers, waits and computations per unit, with and without prefetch
 
 All of them, and every figure a chapter draws itself, use one style: ``scalebook.mplstyle``.
@@ -32,6 +33,7 @@ from scalebook.plots.parallel import (
     tensor_parallel_times,
 )
 from scalebook.plots.pipeline import bubble_vs_microbatches, pipeline_gantt
+from scalebook.plots.stack import launch_stack
 from scalebook.plots.sharding import prefetch_timeline
 from scalebook.plots.style import STYLE, figure_and_axes, use_style
 from scalebook.plots.training import loglog_scaling, loss_curve, scaling_curve, validation_curves
@@ -49,6 +51,7 @@ __all__ = [
     "hardware_growth",
     "hardware_numbers",
     "labelled_scatter",
+    "launch_stack",
     "loglog_scaling",
     "loss_curve",
     "measured_vs_formula_bars",
