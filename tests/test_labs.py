@@ -125,3 +125,52 @@ def test_accounting_refuses_exactly_the_micro_batches_the_emulated_device_cannot
 def test_bad_variant_is_refused():
     with pytest.raises(ValueError, match="variants must be"):
         labs.diagnose_hang("broken: something else")
+
+
+def test_flight_recorder_compares_calls_not_the_times_ranks_entered_them(tmp_path):
+    (tmp_path / "rank0.trace").write_text("all_reduce 4000 2 100.000000\nbroadcast 4 2 100.500000\n")
+    (tmp_path / "rank1.trace").write_text("all_reduce 4000 2 100.250000\nbroadcast 4 2 100.500000\n")
+    assert labs.first_mismatch(tmp_path, 2) is None
+    assert [c.entered for c in labs.read_trace(tmp_path / "rank1.trace")] == [100.25, 100.5]
+
+
+def test_find_straggler_needs_a_rank_slower_by_the_margin_in_most_steps():
+    fast, slow = 0.02, 0.25
+    assert labs.find_straggler([[fast, slow, fast]] * 5) == 1
+    assert labs.find_straggler([[fast, fast, fast]] * 5) is None
+    # One disturbed step on rank 0 is not a straggler: the medians ignore it.
+    assert labs.find_straggler([[slow, fast, fast]] + [[fast, fast, fast]] * 4) is None
+    # Slower by more than the ratio but by less than min_excess seconds: noise on a busy machine, not a straggler.
+    assert labs.find_straggler([[0.001, 0.004]] * 3, min_excess=0.05) is None
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        labs.find_straggler([[fast]])
+
+
+def test_entry_times_in_the_flight_recorder_name_the_rank_that_enters_last(tmp_path):
+    entries = [[0.0, 0.30, 0.01], [0.02, 0.31, 0.0], [0.0, 0.29, 0.0]]  # rank 1 enters each all-reduce last
+    for rank in range(3):
+        lines = [f"all_reduce 4000 3 {100 + i + times[rank]:.6f}\nall_gather_single 24 3 {100.5 + i:.6f}\n"
+                 for i, times in enumerate(entries)]  # fmt: skip
+        (tmp_path / f"rank{rank}.trace").write_text("".join(lines))
+    lateness = labs.entry_lateness(tmp_path, 3)
+    assert [[round(t, 6) for t in row] for row in lateness] == [[0.0, 0.3, 0.01], [0.02, 0.31, 0.0], [0.0, 0.29, 0.0]]
+    assert labs.straggler_from_trace(tmp_path, 3) == 1
+    assert labs.straggler_from_trace(tmp_path, 3, op="all_gather_single") is None  # everyone entered together
+
+
+def test_step_times_and_flight_recorder_name_the_slow_rank_and_find_none_without_it():
+    broken, fixed = labs.diagnose_slow_rank(world_size=3, slow_rank=2, delay=0.3, steps=6, min_excess=0.1)
+    assert broken.variant.startswith("broken") and fixed.variant.startswith("fixed")
+    assert broken.from_times == 2 and broken.from_trace == 2
+    assert fixed.from_times is None and fixed.from_trace is None
+    # The straggler computes longest and waits least: its peers wait in the all-reduce for it.
+    compute, wait = broken.medians("compute"), broken.medians("wait")
+    assert max(range(3), key=compute.__getitem__) == 2 and min(range(3), key=wait.__getitem__) == 2
+    assert broken.last_to_enter()[2] > 6 / 2
+    # Every rank's step takes at least the sleep: one slow rank sets the pace of all of them.
+    assert min(broken.medians("step")) >= 0.3
+
+
+def test_slow_rank_lab_refuses_a_rank_that_does_not_exist():
+    with pytest.raises(ValueError, match="slow_rank must be one of the 2 ranks"):
+        labs.diagnose_slow_rank(world_size=2, slow_rank=2)

@@ -1,6 +1,6 @@
 """When distributed training goes wrong: deliberately broken training code, and the tools that catch it.
 
-Chapter 16's six labs, one module each. Each pairs a small, DELIBERATELY BROKEN variant of code from
+Chapter 16's seven labs, one module each. Each pairs a small, DELIBERATELY BROKEN variant of code from
 Chapters 7-13 with the symptom it produces, a tool that diagnoses it, and the fix. Broken code is
 selected by a variant whose name starts with ``"broken"``; it lives here, not in the modules it imitates,
 and must never be copied. Worker functions (``*_lab``) run on the ranks of :func:`scalebook.comm.launch`.
@@ -19,11 +19,15 @@ Every public name is re-exported here, so ``labs.diagnose_hang`` and ``labs.hang
    norms compared step by step; a missing 1/d hides in the losses and shows in the norms.
 6. :mod:`~scalebook.labs.oom`: Chapter 7's accounting refuses a micro-batch that will not fit, and a CPU
    emulation of a device with a memory cap fails exactly there.
+7. :mod:`~scalebook.labs.slow_rank`: one data-parallel rank is slow and every rank waits for it; the
+   per-rank split of each step into compute and waiting (:func:`find_straggler`) and the flight
+   recorder's entry times (:func:`straggler_from_trace`) name it.
 
 Source: PyTorch documentation, "torch.distributed: Debugging torch.distributed applications"
 (``TORCH_DISTRIBUTED_DEBUG``, collective fingerprints) and "DistributedDataParallel.no_sync";
 torchtitan documentation, "How to converge" (loss parity); Shoeybi et al. 2019 (Megatron-LM, Sec. 3,
-random number generation in tensor parallelism); Korthikanti et al. 2022 (activation memory).
+random number generation in tensor parallelism); Korthikanti et al. 2022 (activation memory); NVIDIA
+Resiliency Extension, "Straggler Detection".
 """
 
 from scalebook.labs.accumulation import ACCUMULATION_VARIANTS, accumulation_lab, padded_batch
@@ -31,8 +35,10 @@ from scalebook.labs.checks import check_variants, checksum, rank_checksums, spre
 from scalebook.labs.hang import (
     HANG_VARIANTS,
     HangReport,
+    TracedCall,
     diagnose_hang,
     first_mismatch,
+    read_trace,
     record_collectives,
     sync_and_check_stop,
 )
@@ -40,6 +46,15 @@ from scalebook.labs.no_sync import NO_SYNC_VARIANTS, no_sync_lab
 from scalebook.labs.oom import EmulatedDevice, check_fits, oom_sweep, predicted_peak_bytes, train_under_cap
 from scalebook.labs.parity import PARITY_LAYOUTS, parity_lab
 from scalebook.labs.randomness import DATA_VARIANTS, TP_SEED_VARIANTS, randomness_lab
+from scalebook.labs.slow_rank import (
+    SLOW_RANK_VARIANTS,
+    SlowRankReport,
+    diagnose_slow_rank,
+    entry_lateness,
+    find_straggler,
+    slow_rank_lab,
+    straggler_from_trace,
+)
 
 __all__ = [
     "ACCUMULATION_VARIANTS",
@@ -47,14 +62,20 @@ __all__ = [
     "HANG_VARIANTS",
     "NO_SYNC_VARIANTS",
     "PARITY_LAYOUTS",
+    "SLOW_RANK_VARIANTS",
     "TP_SEED_VARIANTS",
     "EmulatedDevice",
     "HangReport",
+    "SlowRankReport",
+    "TracedCall",
     "accumulation_lab",
     "check_fits",
     "check_variants",
     "checksum",
     "diagnose_hang",
+    "diagnose_slow_rank",
+    "entry_lateness",
+    "find_straggler",
     "first_mismatch",
     "no_sync_lab",
     "oom_sweep",
@@ -63,8 +84,11 @@ __all__ = [
     "predicted_peak_bytes",
     "randomness_lab",
     "rank_checksums",
+    "read_trace",
     "record_collectives",
+    "slow_rank_lab",
     "spread",
+    "straggler_from_trace",
     "sync_and_check_stop",
     "train_under_cap",
 ]

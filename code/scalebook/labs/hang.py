@@ -6,6 +6,10 @@ DETAIL`` compares each collective's fingerprint (operation, shapes) across ranks
 names the mismatch at once; :func:`record_collectives` is a flight recorder whose per-rank logs
 :func:`first_mismatch` compares after the fact. :func:`diagnose_hang` runs it all and reports.
 
+Each line of a log is one collective as the rank entered it: ``op message_bytes group_size time``, the
+time in seconds of ``time.time()`` (lab 7, :mod:`scalebook.labs.slow_rank`, compares them across ranks).
+:func:`read_trace` parses a log.
+
 Source: PyTorch documentation, "torch.distributed: Debugging torch.distributed applications"
 (``TORCH_DISTRIBUTED_DEBUG``, collective fingerprints, the flight recorder).
 """
@@ -33,7 +37,7 @@ HANG_VARIANTS = ("broken: rank 0 checks the stop flag first", "fixed: same order
 
 class _TraceFile(list):
     """The call list of a ``count_traffic`` block that also writes each call to a file as it is issued,
-    so the record survives a rank that is killed while blocked in the call."""
+    with the time the rank entered it, so the record survives a rank that is killed while blocked in the call."""
 
     def __init__(self, path: Path):
         super().__init__()
@@ -41,7 +45,31 @@ class _TraceFile(list):
 
     def append(self, call) -> None:
         super().append(call)
-        self.file.write(f"{call.op} {call.message_bytes} {call.group_size}\n")
+        # The wall clock, as NCCL's flight recorder (time_created_ns): ranks on one machine share it; across
+        # machines it is as close as their clock synchronisation (NTP: about a millisecond).
+        self.file.write(f"{call.op} {call.message_bytes} {call.group_size} {time.time():.6f}\n")
+
+
+@dataclass(frozen=True)
+class TracedCall:
+    """One line of a flight-recorder log: a collective as this rank entered it."""
+
+    op: str
+    message_bytes: int
+    group_size: int
+    entered: float | None  # time.time() seconds; None in a log written without times
+
+
+def read_trace(path: str | os.PathLike) -> list[TracedCall]:
+    """The calls of one rank's flight-recorder log, in the order the rank issued them (none if no file)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    calls = []
+    for line in path.read_text().splitlines():
+        op, message, group, *entered = line.split()
+        calls.append(TracedCall(op, int(message), int(group), float(entered[0]) if entered else None))
+    return calls
 
 
 @contextlib.contextmanager
@@ -58,19 +86,15 @@ def record_collectives(directory: str | os.PathLike) -> Iterator[None]:
 
 def first_mismatch(directory: str | os.PathLike, world_size: int) -> str | None:
     """Compare the ranks' flight-recorder logs; describe the first call where they differ (None: all agree)."""
-    traces = []
-    for rank in range(world_size):
-        path = Path(directory) / f"rank{rank}.trace"
-        traces.append(path.read_text().splitlines() if path.exists() else [])
+    # What must match is the call (operation, size, group), not the moment each rank entered it.
+    traces = [[(c.op, c.message_bytes, c.group_size) for c in read_trace(Path(directory) / f"rank{rank}.trace")]
+              for rank in range(world_size)]  # fmt: skip
     for i in range(max(map(len, traces))):
         calls = [trace[i] if i < len(trace) else None for trace in traces]
         if len(set(calls)) > 1:
 
             def describe(call):
-                if call is None:
-                    return "issued nothing"
-                op, message, _ = call.split()
-                return f"{op} of {int(message):,} bytes"
+                return "issued nothing" if call is None else f"{call[0]} of {call[1]:,} bytes"
 
             return f"collective #{i}: " + ", ".join(f"rank {r} {describe(c)}" for r, c in enumerate(calls))
     return None

@@ -9,6 +9,7 @@ returns the figure; every public function is re-exported here, so ``plots.step_t
     attention      attention maps; softmax saturation against head width
     memory         what a device holds against its capacity; ZeRO's bytes per parameter
     communication  collectives before and after; one data-parallel step's timeline; load against ranks
+    diagnosis      each rank's step split into compute and waiting; each rank's timeline from a profiler trace
     parallel       tensor-parallel times, async TP's exposed communication, measured against formula bars, expert load
     pipeline       pipeline schedules' timelines; the bubble against micro-batches
     stack          the layers of a launched job, SLURM to the links, and what each decides
@@ -22,6 +23,7 @@ Source: matplotlib documentation, "Customizing Matplotlib with style sheets and 
 
 from scalebook.plots.attention import attention_map, attention_map_grid, softmax_saturation
 from scalebook.plots.communication import collective_before_after, step_timeline, traffic_vs_ranks
+from scalebook.plots.diagnosis import rank_time_split, trace_timeline
 from scalebook.plots.embeddings import labelled_scatter, similarity_heatmap
 from scalebook.plots.hardware import hardware_growth, hardware_numbers
 from scalebook.plots.language import cumulative_mass, next_token_bars, vocab_tradeoff
@@ -60,11 +62,13 @@ __all__ = [
     "next_token_bars",
     "pipeline_gantt",
     "prefetch_timeline",
+    "rank_time_split",
     "scaling_curve",
     "similarity_heatmap",
     "softmax_saturation",
     "step_timeline",
     "tensor_parallel_times",
+    "trace_timeline",
     "traffic_vs_ranks",
     "use_style",
     "validation_curves",
