@@ -31,16 +31,19 @@ def loss_curve(losses: Sequence[float], *, smooth: int = 10, title: str = "Train
 def validation_curves(
     curves: dict[str, tuple[Sequence[int], Sequence[float]]],
     *,
+    styles: dict[str, dict] | None = None,
     ylabel: str = "held-out next-token loss (nats/token)",
     title: str = "",
     ax=None,
 ):
     """Held-out loss against the optimizer step, one line with markers per run; ``curves`` maps a label to
-    ``(steps, losses)``. The step-0 point (the untrained model) sets the top of the axis, so it is left out."""
+    ``(steps, losses)``, ``styles`` a label to keyword arguments of ``ax.plot`` (``color``, ``linestyle``). The
+    step-0 point (the untrained model) would set the top of the axis, so it is left out."""
     fig, ax = figure_and_axes(ax)
     for label, (steps, losses) in curves.items():
         points = [(s, v) for s, v in zip(steps, losses, strict=True) if s > 0]
-        ax.plot([s for s, _ in points], [v for _, v in points], marker="o", markersize=4, label=label)
+        style = {"marker": "o", "markersize": 4, **(styles or {}).get(label, {})}
+        ax.plot([s for s, _ in points], [v for _, v in points], label=label, **style)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
