@@ -18,10 +18,10 @@ For a matmul that takes ``c`` seconds on one rank, cut into ``t`` pieces of ``c/
 
 A decomposition whose first piece must arrive before any compute can start pays one ``tau`` more
 (``first_piece_local=False``). The bandwidth term of ``tau`` and the piece ``c/t`` both scale with the
-tokens, so their ratio does not depend on ``s``: a matmul with an ``h``-wide activation and ``k`` output
-columns (all ranks together) hides its transfers when ``k >= e t F / (2 B)`` (:func:`critical_width`,
-``e`` bytes per element, ``F`` the FLOP/s achieved), and only the latency ``alpha`` makes short sequences
-expose more.
+tokens, so their ratio does not depend on ``s``. Every message is ``h`` wide, so a matmul whose weight matrix
+is ``h x k`` (``k`` its other side, all ranks together: a column-parallel layer's outputs, a row-parallel
+layer's inputs) hides its transfers when ``k >= e t F / (2 B)`` (:func:`critical_width`, ``e`` bytes per
+element, ``F`` the FLOP/s achieved); only the latency ``alpha`` makes short sequences expose more.
 
 Per layer, under sequence parallelism with Megatron-LM's re-gathered inputs
 (:func:`scalebook.accounting.comm.tensor_parallel_bytes_per_layer`), ten collectives of ``M = s b h``
@@ -81,8 +81,9 @@ def decomposed_transfers(message_bytes: float, tp: int) -> list[float]:
 
 
 def critical_width(tp: int, *, flops: float, bandwidth: float, dtype_bytes: int = 2) -> float:
-    """Output columns (all ranks together) above which a matmul's pieces outlast their transfers, ``e t F / (2 B)``:
-    the bandwidth term only, for ``flops`` FLOP/s achieved per GPU and a link of ``bandwidth`` B/s."""
+    """The side ``k`` of an ``h x k`` weight matrix (all ranks together) above which a matmul's pieces outlast
+    their transfers of ``h``-wide tokens, ``e t F / (2 B)``: the bandwidth term only, for ``flops`` FLOP/s
+    achieved per GPU and a link of ``bandwidth`` B/s."""
     _checks.require(
         _checks.positive_int(tp=tp, dtype_bytes=dtype_bytes), _checks.positive(flops=flops, bandwidth=bandwidth)
     )

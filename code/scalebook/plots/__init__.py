@@ -10,10 +10,10 @@ returns the figure; every public function is re-exported here, so ``plots.step_t
     memory         what a device holds against its capacity; ZeRO's bytes per parameter
     communication  collectives before and after; one data-parallel step's timeline; load against ranks
     diagnosis      each rank's step split into compute and waiting; each rank's timeline from a profiler trace
-    parallel       tensor-parallel times, async TP's exposed communication, measured against formula bars, expert load
+    parallel       tensor-parallel times, the share async TP leaves exposed, measured against formula bars, expert load
     pipeline       pipeline schedules' timelines; the bubble against micro-batches
-    stack          the layers of a launched job, SLURM to the links, and what each decides
     sharding       one fully sharded step's all-gathers, waits and computations per unit, with and without prefetch
+    stack          the layers of a launched job, SLURM to the links, and what each decides
 
 All of them, and every figure a chapter draws itself, use one style: ``scalebook.mplstyle``.
 :func:`scalebook.notebook.setup` applies it; call :func:`use_style` to get it in your own scripts.
@@ -35,8 +35,8 @@ from scalebook.plots.parallel import (
     tensor_parallel_times,
 )
 from scalebook.plots.pipeline import bubble_vs_microbatches, pipeline_gantt
-from scalebook.plots.stack import launch_stack
 from scalebook.plots.sharding import prefetch_timeline
+from scalebook.plots.stack import launch_stack
 from scalebook.plots.style import STYLE, figure_and_axes, use_style
 from scalebook.plots.training import loglog_scaling, loss_curve, scaling_curve, validation_curves
 

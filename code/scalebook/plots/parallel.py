@@ -57,20 +57,24 @@ def exposed_communication(
     title: str = "",
     ax=None,
 ):
-    """Milliseconds per layer against ``xs`` (log-log, base 2): the compute, the communication back to back,
-    and what of it stays exposed when each collective is decomposed and overlapped with its matmul."""
-    from matplotlib.ticker import NullLocator
+    """The share of a layer's time spent waiting for communication against ``xs`` (log base 2): with the
+    collectives back to back, ``communication / (compute + communication)``, and with async tensor
+    parallelism, ``exposed / (compute + exposed)``; ``compute``, ``communication`` and ``exposed`` in seconds."""
+    from matplotlib.ticker import NullLocator, PercentFormatter
 
     fig, ax = figure_and_axes(ax)
-    ax.plot(xs, [1e3 * c for c in compute], "o-", color="black", linewidth=2, label="compute")
-    ax.plot(xs, [1e3 * c for c in communication], "s--", color="tab:red", label="communication, back to back")
-    ax.plot(xs, [1e3 * e for e in exposed], "^-", color="tab:green", label="exposed with async TP")
+    serial = [m / (c + m) for c, m in zip(compute, communication, strict=True)]
+    overlapped = [e / (c + e) for c, e in zip(compute, exposed, strict=True)]
+    ax.plot(xs, serial, "s--", color="tab:red", label="collectives back to back")
+    ax.plot(xs, overlapped, "^-", color="tab:green", label="async TP: what stays exposed")
+    ax.fill_between(xs, overlapped, serial, color="tab:green", alpha=0.12, linewidth=0)
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
     ax.set_xticks(list(xs), [f"{x:g}" for x in xs])
     ax.xaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    ax.set_ylim(0, max(serial) * 1.1)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("ms per layer (forward + backward)")
+    ax.set_ylabel("share of the layer's time waiting")
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
