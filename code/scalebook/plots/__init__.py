@@ -8,6 +8,7 @@ returns the figure; every public function is re-exported here, so ``plots.step_t
     hardware       GPU generations by year: 16-bit FLOP/s, HBM capacity and bandwidth, NVLink
     attention      attention maps; softmax saturation against head width
     memory         what a device holds against its capacity; ZeRO's bytes per parameter
+    network        the interconnect hierarchy of two nodes (NVLink, PCIe, RDMA, GPUDirect); algbw and busbw by size
     communication  collectives before and after; one data-parallel step's timeline; load against ranks
     diagnosis      each rank's step split into compute and waiting; each rank's timeline from a profiler trace
     parallel       tensor-parallel times, the share async TP leaves exposed, measured against formula bars, expert load
@@ -28,6 +29,7 @@ from scalebook.plots.embeddings import labelled_scatter, similarity_heatmap
 from scalebook.plots.hardware import hardware_growth, hardware_numbers
 from scalebook.plots.language import cumulative_mass, next_token_bars, vocab_tradeoff
 from scalebook.plots.memory import memory_bars, memory_total_and_share, zero_memory_vs_dp
+from scalebook.plots.network import bandwidth_sweep, interconnect_hierarchy
 from scalebook.plots.parallel import (
     expert_load_imbalance,
     exposed_communication,
@@ -44,6 +46,7 @@ __all__ = [
     "STYLE",
     "attention_map",
     "attention_map_grid",
+    "bandwidth_sweep",
     "bubble_vs_microbatches",
     "collective_before_after",
     "cumulative_mass",
@@ -52,6 +55,7 @@ __all__ = [
     "figure_and_axes",
     "hardware_growth",
     "hardware_numbers",
+    "interconnect_hierarchy",
     "labelled_scatter",
     "launch_stack",
     "loglog_scaling",
