@@ -1,6 +1,7 @@
 """Ring attention on 2 and 4 ranks equals causal attention on one rank; zig-zag balances the causal work,
-and the ring really skips the half-chunk pairs that lie entirely in a query's future. On the GPT, context
-parallelism (alone, and beside data parallelism) gives one process's loss and every one of its gradients."""
+and the ring really skips the half-chunk pairs that lie entirely in a query's future (pairs and matmul FLOPs
+counted as it runs), with or without overlapping its transfers; the naive ring computes every pair. On the
+GPT, context parallelism (alone, and beside data parallelism) gives one process's loss and every gradient."""
 
 import math
 
@@ -9,7 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from scalebook.comm import launch
-from scalebook.experiments.context import compare_ring_attention, gpt_context_parallel_errors
+from scalebook.experiments.context import (
+    RING_VARIANTS,
+    compare_ring_attention,
+    gpt_context_parallel_errors,
+    ring_variants,
+)
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel import context
 
@@ -54,14 +60,27 @@ HAND_COUNTED = {
 
 def test_half_block_formula_matches_hand_counts():
     for (cp, split), computed in HAND_COUNTED.items():
-        expected = [{"full": n - 2, "diagonal": 2, "skipped": 4 * cp - n} for n in computed]
+        expected = [{"full": n - 2, "diagonal": 2, "masked": 0, "skipped": 4 * cp - n} for n in computed]
         assert context.half_blocks_per_rank(cp, split) == expected
+        # The naive ring computes the future pairs too, fully masked: 4 cp pairs on every rank.
+        naive = [{"full": n - 2, "diagonal": 2, "masked": 4 * cp - n, "skipped": 0} for n in computed]
+        assert context.half_blocks_per_rank(cp, split, skip_masked=False) == naive
+
+
+def test_ring_flops_formula_matches_hand_count():
+    # b=1, a=2, s=32, d=8, cp=2: half-chunks of n=8 tokens; one n x n x d matmul per head is 2*8*8*8 = 1024
+    # FLOPs, so 2048 for both heads. A pair: 2 such matmuls forward, 5 backward. Zig-zag computes 5 pairs.
+    flops = context.ring_attention_flops_per_rank(1, 2, 32, 8, cp=2)
+    assert flops == [{"forward": 5 * 2 * 2048, "backward": 5 * 5 * 2048}] * 2
+    naive = context.ring_attention_flops_per_rank(1, 2, 32, 8, cp=2, split="contiguous", skip_masked=False)
+    assert naive == [{"forward": 8 * 2 * 2048, "backward": 8 * 5 * 2048}] * 2
 
 
 def ring_attention_and_gpt(world: int) -> dict:
     """One launch, three claims: ring attention against one-rank attention on all ranks; the GPT with
     cp = min(world, 2) (next to dp = world / cp) against one process; a batch that does not split raises."""
     results = {"ring": compare_ring_attention(seq_len=32, batch=1, heads=2, head_dim=8)}
+    results["variants"] = ring_variants(seq_len=32, batch=1, heads=2, head_dim=8)
     results["gpt"] = {split: gpt_context_parallel_errors(min(world, 2), split) for split in context.SPLITS}
     try:  # 5 tokens cannot be cut into 2 cp chunks, for any cp
         context.context_parallel_batch(torch.zeros(1, 5, dtype=torch.long), None)
@@ -110,6 +129,22 @@ def test_ring_attention_output_and_gradients_equal_one_rank(launched):
         assert result[split]["ring_saved_bytes"] == 4 * block + 2 * (32 // cp) * 4
         # The reference keeps the full 32 x 32 softmax per head: the s^2 term ring attention never holds.
         assert result[split]["full_saved_bytes"] > 2 * 32 * 32 * 4
+
+
+def test_naive_and_overlapped_rings_equal_one_rank_and_compute_what_the_formulas_say(launched):
+    cp, results = launched
+    assert set(results[0]["variants"]) == set(RING_VARIANTS)
+    for (split, skip, overlap), result in results[0]["variants"].items():
+        assert result["error"] < TOLERANCE, (split, skip, overlap, result["error"])
+        pairs = context.half_blocks_per_rank(cp, split, skip_masked=skip)
+        flops = context.ring_attention_flops_per_rank(1, 2, 32, 8, cp=cp, split=split, skip_masked=skip)
+        for r, measured in enumerate(result["per_rank"]):
+            for phase in ("forward", "backward"):
+                assert measured["pairs"][phase] == pairs[r], (split, skip, overlap, r, phase)
+            # FlopCounterMode counted the matmuls the rank really ran, independently of the loop's counters.
+            assert measured["flops"] == flops[r], (split, skip, overlap, r)
+        if not skip:  # the naive ring computes all 4 cp pairs it meets, so every rank does the same work
+            assert {m["flops"]["forward"] for m in result["per_rank"]} == {8 * cp * 2 * 2 * (32 // (2 * cp)) ** 2 * 8}
 
 
 def test_formulas_match_hand_counts():

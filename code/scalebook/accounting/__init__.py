@@ -15,6 +15,8 @@ chapters check these numbers against.
              tensor_parallel_bytes_per_layer, parameter_server_bytes_per_step, parameter_server_time
     pipeline bubble_fraction, peak_in_flight, p2p_bytes_per_step, balanced_partition, stage_memory
     async_tp chunked_overlap_time, async_tp_layer_times (communication hidden under decomposed matmuls)
+    context  ring_attention_bytes_per_rank, ulysses_bytes_per_rank, ulysses_problems, ring_overlap_min_tokens
+             (context parallelism: ring attention against Ulysses)
     precision format_bytes (fp8 with its scales), deepseek_v3_state_bytes
     roofline gpt_layer_ops, matmul_cost, ridge_point, attainable_flops, memory_bound (arithmetic intensity)
 
@@ -29,6 +31,12 @@ from scalebook.accounting.comm import (
     parameter_server_bytes_per_step,
     parameter_server_time,
     tensor_parallel_bytes_per_layer,
+)
+from scalebook.accounting.context import (
+    ring_attention_bytes_per_rank,
+    ring_overlap_min_tokens,
+    ulysses_bytes_per_rank,
+    ulysses_problems,
 )
 from scalebook.accounting.flops import (
     flops_per_token,
@@ -87,8 +95,12 @@ __all__ = [
     "param_count_closed_form",
     "parameter_server_bytes_per_step",
     "parameter_server_time",
+    "ring_attention_bytes_per_rank",
+    "ring_overlap_min_tokens",
     "tensor_parallel_bytes_per_layer",
     "training_days",
     "training_flops",
     "training_flops_with_attention",
+    "ulysses_bytes_per_rank",
+    "ulysses_problems",
 ]

@@ -1,21 +1,26 @@
-"""Chapter 14's ring-attention experiments: ring attention on ranks against one-rank causal attention.
+"""Chapter 14's context-parallel experiments: ring attention and Ulysses on ranks against one-rank attention.
 
 :func:`compare_ring_attention` runs :func:`scalebook.parallel.context.ring_attention` on every rank of the
 default group against :func:`~scalebook.parallel.context.causal_attention` on the whole sequence, counting
-bytes sent, bytes saved for backward and the half-chunk pairs every rank computes; :func:`ring_attention_study`
-launches it for several context-parallel sizes; :func:`gpt_context_parallel_errors` trains the GPT one step
-with :func:`~scalebook.parallel.context.apply_context_parallel` against one process.
+bytes sent, bytes saved for backward and the half-chunk pairs every rank computes; :func:`compare_ulysses`
+does the same for :func:`scalebook.parallel.ulysses.ulysses_attention`; :func:`ring_variants` measures the
+naive ring against the one that skips masked pairs and overlaps its transfers (pairs, FLOPs counted by
+``FlopCounterMode``, seconds); :func:`context_parallel_study` launches all three for several context-parallel
+sizes; :func:`gpt_context_parallel_errors` trains the GPT one step with ring attention or Ulysses against
+one process.
 
 Source: Liu, Zaharia and Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context";
-Tazi et al. 2025, "The Ultra-Scale Playbook", "Context parallelism".
+Jacobs et al. 2023, "DeepSpeed Ulysses"; Tazi et al. 2025, "The Ultra-Scale Playbook", "Context parallelism".
 """
 
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
 
 from scalebook import measure
 from scalebook.comm import count_traffic, launch
@@ -31,8 +36,20 @@ from scalebook.parallel.context import (
     unshard_sequence,
     validate_context_parallel,
 )
+from scalebook.parallel.ulysses import apply_ulysses, ulysses_attention
 
-__all__ = ["compare_ring_attention", "ring_attention_study", "gpt_context_parallel_errors"]
+__all__ = [
+    "RING_VARIANTS",
+    "compare_ring_attention",
+    "compare_ulysses",
+    "context_parallel_study",
+    "gpt_context_parallel_errors",
+    "ring_variants",
+]
+
+# (split, skip_masked, overlap): the naive ring computes every pair and waits for each transfer at once.
+RING_VARIANTS = tuple((split, skip, overlap) for split in SPLITS for skip, overlap in
+                      ((False, False), (True, False), (True, True)))  # fmt: skip
 
 
 def compare_ring_attention(
@@ -43,7 +60,6 @@ def compare_ring_attention(
     head_dim: int = 16,
     splits: tuple[str, ...] = SPLITS,
     seed: int = 0,
-    timed_seq_len: int | None = None,
 ) -> dict[str, dict]:
     """On every rank of the default group (run it with :func:`scalebook.comm.launch`): ring attention
     against :func:`~scalebook.parallel.context.causal_attention` on the whole sequence, for each split in ``splits``.
@@ -53,8 +69,6 @@ def compare_ring_attention(
     output and of the Q, K, V gradients, the calls and bytes this rank sent in the forward and backward
     passes, the bytes saved for backward (ring and reference), the half-chunk pairs every rank computed
     and skipped (counted while it ran, gathered from all ranks) and the unmasked scores of every rank.
-    With ``timed_seq_len``, also every rank's seconds of computing in one forward and backward pass at
-    that length (machine-dependent).
     """
     rank, cp = dist.get_rank(), dist.get_world_size()
     for split in splits:
@@ -76,15 +90,9 @@ def compare_ring_attention(
         ring_saved = measure.saved_by_call(lambda *t, split=split: ring_attention(*t, split=split), *mine).total
         every_rank = [None] * cp
         dist.all_gather_object(every_rank, work)
-
-        def gathered(t: torch.Tensor, split: str = split) -> torch.Tensor:
-            pieces = [torch.empty_like(t) for _ in range(cp)]
-            dist.all_gather(pieces, t.detach().contiguous())
-            return unshard_sequence(pieces, split=split)
-
-        errors = {"output": (gathered(out) - reference).abs().max().item()}
+        errors = {"output": (_gathered(out, split) - reference).abs().max().item()}
         for name, local, ref in zip(("grad_q", "grad_k", "grad_v"), mine, full, strict=True):
-            errors[name] = (gathered(local.grad) - ref.grad).abs().max().item()
+            errors[name] = (_gathered(local.grad, split) - ref.grad).abs().max().item()
         results[split] = {
             "errors": errors,
             "forward": {op: (n, float(sent)) for op, (n, sent) in forward.by_op().items()},
@@ -94,53 +102,144 @@ def compare_ring_attention(
             "half_blocks": every_rank,
             "unmasked_scores": unmasked_scores(seq_len, cp, split),
         }
-        if timed_seq_len:
-            results[split]["seconds"] = _time_ring_attention(batch, heads, timed_seq_len, head_dim, split)
     return results
 
 
-def _time_ring_attention(batch: int, heads: int, seq_len: int, head_dim: int, split: str) -> list[float]:
-    """Every rank's seconds of computing (waits for blocks excluded) in one forward and backward pass, the
-    best of three."""
-    cp = dist.get_world_size()
-    validate_context_parallel(seq_len, cp, split)
-    shape = (batch, heads, seq_len // cp, head_dim)
-    q, k, v = (torch.randn(shape).requires_grad_() for _ in range(3))
-    best = float("inf")
-    for _ in range(3):
+def _gathered(t: torch.Tensor, split: str) -> torch.Tensor:
+    """Every rank's tokens of ``t`` (b, heads, s/c, d), gathered and put back in sequence order."""
+    pieces = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, t.detach().contiguous())
+    return unshard_sequence(pieces, split=split)
+
+
+def compare_ulysses(
+    *, batch: int = 2, heads: int = 4, kv_heads: int | None = None, seq_len: int = 64, head_dim: int = 16,
+    splits: tuple[str, ...] = SPLITS, seed: int = 0,
+) -> dict[str, dict]:  # fmt: skip
+    """On every rank of the default group (run it with :func:`scalebook.comm.launch`): Ulysses attention
+    against :func:`~scalebook.parallel.context.causal_attention` on the whole sequence (K and V repeated over
+    each group of query heads when ``kv_heads`` < ``heads``), for each split in ``splits``. Reports, per
+    split, the largest deviations of the output and of the Q, K, V gradients and the calls and bytes this
+    rank sent in the forward and backward passes."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    kv_heads = kv_heads or heads
+    gen = torch.Generator().manual_seed(seed)
+    q, grad_out = (torch.randn(batch, heads, seq_len, head_dim, generator=gen) for _ in range(2))
+    k, v = (torch.randn(batch, kv_heads, seq_len, head_dim, generator=gen) for _ in range(2))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    group_size = heads // kv_heads
+    causal_attention(full[0], *(t.repeat_interleave(group_size, dim=1) for t in full[1:])).backward(grad_out)
+    reference = causal_attention(q, k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1))
+    results = {}
+    for split in splits:
+        mine = [shard_sequence(t, cp, rank, split=split).requires_grad_() for t in (q, k, v)]
+        with count_traffic() as forward:
+            out = ulysses_attention(*mine, split=split)
+        with count_traffic() as backward:
+            out.backward(shard_sequence(grad_out, cp, rank, split=split))
+        errors = {"output": (_gathered(out, split) - reference).abs().max().item()}
+        for name, local, ref in zip(("grad_q", "grad_k", "grad_v"), mine, full, strict=True):
+            errors[name] = (_gathered(local.grad, split) - ref.grad).abs().max().item()
+        results[split] = {
+            "errors": errors,
+            "forward": {op: (n, float(sent)) for op, (n, sent) in forward.by_op().items()},
+            "backward": {op: (n, float(sent)) for op, (n, sent) in backward.by_op().items()},
+        }
+    return results
+
+
+def _ring_pass(q, k, v, grad_out, split: str, skip: bool, overlap: bool) -> tuple[torch.Tensor, dict, dict]:
+    """One forward and backward pass of ring attention: (this rank's output, pairs and seconds, matmul FLOPs
+    per pass counted by ``FlopCounterMode``)."""
+    mine = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    work = {}
+    with FlopCounterMode(display=False) as forward:
+        out = ring_attention(*mine, split=split, work=work, skip_masked=skip, overlap=overlap)
+    with FlopCounterMode(display=False) as backward:
+        out.backward(grad_out)
+    return out, work, {"forward": forward.get_total_flops(), "backward": backward.get_total_flops()}
+
+
+def ring_variants(
+    *, batch: int = 2, heads: int = 4, seq_len: int = 64, head_dim: int = 16, variants=RING_VARIANTS,
+    timed_seq_len: int | None = None, repeats: int = 3, seed: int = 0,
+) -> dict[tuple[str, bool, bool], dict]:  # fmt: skip
+    """On every rank of the default group: each ``(split, skip_masked, overlap)`` variant of ring attention,
+    its output against one-rank attention, the half-chunk pairs every rank computed and the matmul FLOPs it
+    ran (``FlopCounterMode``, forward and backward). With ``timed_seq_len``, also every rank's seconds at that
+    length (machine-dependent): of the whole forward and backward pass (``"step"``), of computing and of
+    waiting for blocks, from the repeat with the shortest step of ``repeats``."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, grad_out = (torch.randn(batch, heads, seq_len, head_dim, generator=gen) for _ in range(4))
+    reference = causal_attention(q, k, v)
+    results = {}
+    for split, skip, overlap in variants:
+        local = [shard_sequence(t, cp, rank, split=split) for t in (q, k, v, grad_out)]
+        out, work, flops = _ring_pass(*local, split, skip, overlap)
+        every_rank = [None] * cp
+        dist.all_gather_object(every_rank, {"pairs": {p: work[p] for p in ("forward", "backward")}, "flops": flops})
+        results[split, skip, overlap] = {"error": (_gathered(out, split) - reference).abs().max().item(),
+                                         "per_rank": every_rank}  # fmt: skip
+    if timed_seq_len:
+        timed = [torch.randn(batch, heads, timed_seq_len // cp, head_dim) for _ in range(4)]
+        for variant in variants:
+            results[variant]["seconds"] = _time_ring(timed, *variant, repeats=repeats)
+    return results
+
+
+def _time_ring(local: list[torch.Tensor], split: str, skip: bool, overlap: bool, *, repeats: int) -> list[dict]:
+    """Every rank's seconds of one forward and backward pass: whole, computing, waiting (the shortest pass)."""
+    best = None
+    for _ in range(repeats):
+        mine = [t.clone().requires_grad_() for t in local[:3]]
         work = {}
-        ring_attention(q, k, v, split=split, work=work).sum().backward()
-        best = min(best, sum(work["seconds"].values()))
-    every_rank = [None] * cp
+        dist.barrier()  # every rank starts the pass together
+        start = time.perf_counter()
+        ring_attention(*mine, split=split, work=work, skip_masked=skip, overlap=overlap).backward(local[3])
+        seconds = dict(work["seconds"], step=time.perf_counter() - start)
+        best = seconds if best is None or seconds["step"] < best["step"] else best
+    every_rank = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, best)
     return every_rank
 
 
-def ring_attention_study(
+def _study_on_rank(seq_len: int, timed_seq_len: int | None, gqa: bool) -> dict:
+    """One launch, every measurement of the chapter's context-parallel section on this rank."""
+    cp = dist.get_world_size()
+    results = {
+        "ring": compare_ring_attention(seq_len=seq_len),
+        "ulysses": {"mha": compare_ulysses(seq_len=seq_len, heads=4)},
+        "variants": ring_variants(seq_len=seq_len, timed_seq_len=timed_seq_len, batch=1 if timed_seq_len else 2),
+    }
+    if gqa:  # 8 query heads sharing 2 K/V heads: each rank gets 4 query heads and the one K/V head they share
+        results["ulysses"]["gqa"] = compare_ulysses(seq_len=seq_len, heads=4 * cp, kv_heads=cp)
+    return results
+
+
+def context_parallel_study(
     cps: tuple[int, ...] = (2, 4), *, seq_len: int = 64, timed: dict[int, int] | None = None,
-    timeout: float = 300.0, **kwargs,
-) -> dict[tuple[int, str], dict]:  # fmt: skip
-    """Check every layout, then run :func:`compare_ring_attention` on ``cp`` fresh ranks for each ``cp``
-    (one launch each). ``timed`` maps a ``cp`` to a sequence length to time at. Returns rank 0's
-    results keyed by ``(cp, split)``."""
+    gqa: tuple[int, ...] = (2,), timeout: float = 300.0,
+) -> dict[int, dict]:  # fmt: skip
+    """Check every layout, then run, on ``cp`` fresh ranks for each ``cp`` (one launch each): ring attention
+    (:func:`compare_ring_attention`), Ulysses with 4 heads and, for ``cp`` in ``gqa``, with grouped-query
+    attention (:func:`compare_ulysses`), and the ring's variants (:func:`ring_variants`), timed at
+    ``timed[cp]`` tokens where given. Returns rank 0's results per ``cp``: ``{"ring": {split: ...},
+    "ulysses": {"mha" | "gqa": {split: ...}}, "variants": {(split, skip, overlap): ...}}``."""
     timed = timed or {}
     for cp in cps:
         for split in SPLITS:
             validate_context_parallel(seq_len, cp, split)
             if cp in timed:
                 validate_context_parallel(timed[cp], cp, split)
-    results = {}
-    for cp in cps:
-        per_split = launch(compare_ring_attention, cp, seq_len=seq_len, timed_seq_len=timed.get(cp),
-                           timeout=timeout, **kwargs)[0]  # fmt: skip
-        results.update({(cp, split): r for split, r in per_split.items()})
-    return results
+    return {cp: launch(_study_on_rank, cp, seq_len, timed.get(cp), cp in gqa, timeout=timeout)[0] for cp in cps}
 
 
-def gpt_context_parallel_errors(cp: int, split: str = "zigzag", *, seed: int = 0) -> dict:
+def gpt_context_parallel_errors(cp: int, split: str = "zigzag", *, seed: int = 0, method: str = "ring") -> dict:
     """On every rank of the default group (run it with :func:`scalebook.comm.launch`): a small GPT trained one
-    step on dp x cp ranks (cp consecutive ranks share two sequences, dp = world / cp blocks of them hold
-    different ones) against the same GPT on the whole batch in this process. The gradients are averaged
+    step with ring attention (``method="ring"``) or Ulysses (``"ulysses"``) on dp x cp ranks (cp consecutive
+    ranks share two sequences, dp = world / cp blocks of them hold different ones) against the same GPT on
+    the whole batch in this process. The gradients are averaged
     over all dp x cp ranks and the loss is logged as the mean of the local losses, as
     :mod:`scalebook.parallel.context` prescribes. Returns the deviations of the logged loss and of the
     largest gradient entry, the largest gradient entry, and the shape of this rank's tokens."""
@@ -148,14 +247,15 @@ def gpt_context_parallel_errors(cp: int, split: str = "zigzag", *, seed: int = 0
     dp = world // cp
     cp_groups = [dist.new_group(list(range(d * cp, (d + 1) * cp))) for d in range(dp)]  # every rank makes all
     torch.manual_seed(seed)
-    reference = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    heads = 4 if method == "ulysses" else 2  # Ulysses deals whole heads to the ranks: cp must divide them
+    reference = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=heads, n_embd=32))
     model = copy.deepcopy(reference)
     gen = torch.Generator().manual_seed(seed + 1)
     idx, targets = (torch.randint(0, 64, (2 * dp, 16), generator=gen) for _ in range(2))
     reference(idx, targets)[1].backward()
 
     group = cp_groups[rank // cp]
-    apply_context_parallel(model, group, split=split)
+    {"ring": apply_context_parallel, "ulysses": apply_ulysses}[method](model, group, split=split)
     rows = slice(2 * (rank // cp), 2 * (rank // cp + 1))  # this dp rank's two sequences
     mine, my_targets, positions = context_parallel_batch(idx[rows], targets[rows], group, split)
     _, loss = model(mine, my_targets, positions=positions)
@@ -171,3 +271,17 @@ def gpt_context_parallel_errors(cp: int, split: str = "zigzag", *, seed: int = 0
         "grad_scale": max(p.grad.abs().max().item() for p in reference.parameters()),
         "local_tokens": tuple(mine.shape),
     }
+
+
+def ring_attention_study(cps=(2, 4), *, seq_len: int = 64, timed: dict[int, int] | None = None, timeout=300.0):
+    """The chapter's earlier entry point (rank 0's ring results keyed by ``(cp, split)``, with each rank's
+    seconds of computing under ``"seconds"`` where timed); the chapter now calls :func:`context_parallel_study`."""
+    study = context_parallel_study(cps, seq_len=seq_len, timed=timed, timeout=timeout)
+    results = {}
+    for cp, r in study.items():
+        for split, ring in r["ring"].items():
+            results[cp, split] = ring
+            seconds = r["variants"][split, True, True].get("seconds")
+            if seconds:
+                ring["seconds"] = [s["forward"] + s["backward"] for s in seconds]
+    return results

@@ -23,7 +23,9 @@ key chunk) pairs. A pair whose keys all lie in the queries' future is skipped, a
 lie in their past is a plain block with no mask, and a chunk meeting itself is the causal triangle.
 Zig-zag then computes 2 cp + 1 of the 4 cp pairs on every rank; the contiguous split 4 r + 3 on rank r.
 Each step posts the send of the block it holds and the receive of the next before it computes, and
-waits after: the transfer runs while the block is computed.
+waits after: the transfer runs while the block is computed. ``skip_masked=False`` and ``overlap=False``
+turn the two savings off (every pair computed, the future ones fully masked; each transfer waited for
+before the block is computed): the naive ring the chapter measures them against.
 
 In a training run, on the GPT (:class:`scalebook.model.GPT`):
 
@@ -56,6 +58,8 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from scalebook.accounting.context import ring_attention_bytes_per_rank
 
 SPLITS = ("zigzag", "contiguous")
 
@@ -105,16 +109,38 @@ def unshard_sequence(pieces: list[torch.Tensor], *, dim: int = -2, split: str = 
     return torch.cat(pieces, dim=dim).index_select(dim, torch.argsort(order))
 
 
-def half_blocks_per_rank(cp: int, split: str = "zigzag") -> list[dict[str, int]]:
+def half_blocks_per_rank(cp: int, split: str = "zigzag", *, skip_masked: bool = True) -> list[dict[str, int]]:
     """Per rank, the (query half-chunk, key half-chunk) pairs ring attention computes, in closed form.
 
     A rank meets 2 x 2 pairs at each of cp steps, 4 cp in all; it computes those with a key at or before
     a query. Zig-zag (chunks r and 2cp-1-r): (r + 1) + (2cp - r) = 2cp + 1 on every rank, two of them on
     the diagonal. Contiguous (chunks 2r and 2r+1): (2r + 1) + (2r + 2) = 4r + 3, from 3 to 4cp - 1.
+    The rest are ``"skipped"``; with ``skip_masked=False`` they are computed and masked whole (``"masked"``).
     """
     validate_context_parallel(2 * cp, cp, split)
     computed = [2 * cp + 1 if split == "zigzag" else 4 * r + 3 for r in range(cp)]
-    return [{"full": n - 2, "diagonal": 2, "skipped": 4 * cp - n} for n in computed]
+    future = "skipped" if skip_masked else "masked"
+    return [{"full": n - 2, "diagonal": 2, "masked": 0, "skipped": 0, future: 4 * cp - n} for n in computed]
+
+
+def ring_attention_flops_per_rank(
+    batch: int, heads: int, seq_len: int, head_dim: int, *, cp: int, split: str = "zigzag", skip_masked: bool = True
+) -> list[dict[str, int]]:
+    """Per rank, the matmul FLOPs of one ring-attention forward and backward pass, in closed form.
+
+    A computed pair of half-chunks of n = s / (2 cp) tokens costs two n x n x d matmuls per head in the
+    forward (S = Q K^T and P V: 4 b a n^2 d FLOPs) and five in the backward (S again, dV = P^T dO,
+    dP = dO V^T, dQ = dS K, dK = dS^T Q: 10 b a n^2 d); a diagonal pair costs as much as a full one
+    (the triangle is masked after the matmul). Returns ``[{"forward": ..., "backward": ...}, ...]``.
+    """
+    validate_context_parallel(seq_len, cp, split)
+    n = seq_len // (2 * cp)
+    pair = 2 * batch * heads * n * n * head_dim  # one n x n x d matmul per head and sequence
+    return [
+        {"forward": 2 * pair * (w["full"] + w["diagonal"] + w["masked"]),
+         "backward": 5 * pair * (w["full"] + w["diagonal"] + w["masked"])}
+        for w in half_blocks_per_rank(cp, split, skip_masked=skip_masked)
+    ]  # fmt: skip
 
 
 def unmasked_scores(seq_len: int, cp: int, split: str = "zigzag") -> list[int]:
@@ -160,9 +186,9 @@ def ring_bytes_per_rank(
 ) -> dict[str, int]:
     """Bytes each rank sends in ring attention: the forward passes its K and V blocks on cp - 1 times; the
     backward passes K, V and their two gradient blocks cp - 1 times and the gradients once more, home.
-    A block is b a (s/cp) d values. Returns ``{"forward": ..., "backward": ...}``."""
-    block = batch * heads * (seq_len // cp) * head_dim * dtype_bytes
-    return {"forward": 2 * (cp - 1) * block, "backward": (4 * (cp - 1) + 2) * block if cp > 1 else 0}
+    A block is b a (s/cp) d values. Returns ``{"forward": ..., "backward": ...}``
+    (:func:`scalebook.accounting.context.ring_attention_bytes_per_rank`, with fp32 by default)."""
+    return ring_attention_bytes_per_rank(batch, heads, seq_len, head_dim, cp=cp, dtype_bytes=dtype_bytes)
 
 
 # --------------------------------------------------------------------------------------- ring attention
@@ -195,9 +221,22 @@ def _start_pass(tensors: list[torch.Tensor], group, tag: int) -> tuple[list[torc
     return received, dist.batch_isend_irecv(ops)
 
 
-def _finish(works: list) -> None:
-    for work in works:
-        work.wait()
+def _pass_on(tensors: list[torch.Tensor], group, tag: int, overlap: bool, work: dict | None):
+    """:func:`_start_pass`; without ``overlap`` also wait for it at once, as a ring that does not overlap would
+    (then no request is left pending: gloo hangs in a second ``wait`` on a finished send)."""
+    received, requests = _start_pass(tensors, group, tag)
+    if overlap:
+        return received, requests
+    _finish(requests, work)
+    return received, []
+
+
+def _finish(works: list, work: dict | None = None) -> None:
+    """Wait for a pass to arrive; the seconds spent waiting are added to ``work["seconds"]["wait"]``."""
+    start = time.perf_counter()
+    for request in works:
+        request.wait()
+    _clock(work, "wait", start)
 
 
 def _chunks_of(cp: int, rank: int, split: str) -> tuple[int, int]:
@@ -206,11 +245,13 @@ def _chunks_of(cp: int, rank: int, split: str) -> tuple[int, int]:
     return (rank, 2 * cp - 1 - rank) if split == "zigzag" else (2 * rank, 2 * rank + 1)
 
 
-def _pair_kind(q_chunk: int, k_chunk: int) -> str:
+def _pair_kind(q_chunk: int, k_chunk: int, skip_masked: bool = True) -> str:
     """How a (query half-chunk, key half-chunk) pair is computed under the causal mask."""
     if q_chunk > k_chunk:
         return "full"  # every key is in the past: a plain, unmasked block
-    return "diagonal" if q_chunk == k_chunk else "skipped"  # same chunk: causal triangle; else all future
+    if q_chunk == k_chunk:
+        return "diagonal"  # same chunk: the causal triangle
+    return "skipped" if skip_masked else "masked"  # all keys in the future: skip, or compute and mask it all
 
 
 def _block_scores(q: torch.Tensor, k: torch.Tensor, kind: str, scale: float) -> torch.Tensor:
@@ -219,19 +260,21 @@ def _block_scores(q: torch.Tensor, k: torch.Tensor, kind: str, scale: float) -> 
         n = q.shape[-2]
         future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
+    elif kind == "masked":  # the naive ring's wasted block: computed, then hidden whole by the mask
+        scores = scores.fill_(float("-inf"))
     return scores
 
 
 def _count(work: dict | None, phase: str, kind: str) -> None:
     if work is not None:
-        counts = work.setdefault(phase, {"full": 0, "diagonal": 0, "skipped": 0})
+        counts = work.setdefault(phase, {"full": 0, "diagonal": 0, "masked": 0, "skipped": 0})
         counts[kind] += 1
 
 
 def _clock(work: dict | None, phase: str, start: float) -> None:
-    """Add the seconds since ``start`` to ``work["seconds"][phase]``: time spent computing, not waiting."""
+    """Add the seconds since ``start`` to ``work["seconds"][phase]``: computing (forward, backward) or waiting."""
     if work is not None:
-        seconds = work.setdefault("seconds", {"forward": 0.0, "backward": 0.0})
+        seconds = work.setdefault("seconds", {"forward": 0.0, "backward": 0.0, "wait": 0.0})
         seconds[phase] += time.perf_counter() - start
 
 
@@ -240,10 +283,11 @@ class _RingAttention(torch.autograd.Function):
     values; at every ring step it meets two half-chunks of keys and values, so four (query, key) pairs:
     a pair entirely in the future is skipped, a pair entirely in the past is a plain block, and a pair
     on the diagonal is the causal triangle. The next block's send and receive are posted before the
-    current block is computed and waited for after it."""
+    current block is computed and waited for after it. ``skip_masked`` and ``overlap`` (both True by
+    default) switch the two savings off for comparison."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, split, work):
+    def forward(ctx, q, k, v, group, split, work, skip_masked=True, overlap=True):
         rank, cp, _, _ = _ring_peers(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
         mine = _chunks_of(cp, rank, split)
@@ -256,18 +300,19 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             pending = None
             if step < cp - 1:  # the next block starts travelling before this one is computed
-                pending = _start_pass([block_k, block_v], group, tag=2 * step)
+                pending = _pass_on([block_k, block_v], group, 2 * step, overlap, work)
             theirs = _chunks_of(cp, (rank - step) % cp, split)
             start = time.perf_counter()
             for k_half, v_half, k_chunk in zip(block_k.chunk(2, dim=-2), block_v.chunk(2, dim=-2), theirs,
                                                strict=True):  # fmt: skip
                 for i, q_chunk in enumerate(mine):
-                    kind = _pair_kind(q_chunk, k_chunk)
+                    kind = _pair_kind(q_chunk, k_chunk, skip_masked)
                     _count(work, "forward", kind)
                     if kind == "skipped":
                         continue
                     scores = _block_scores(q_halves[i], k_half, kind, scale)
-                    # Every computed row has a key in its past (at least itself), so m_new is finite.
+                    # Each query half meets its own chunk, diagonal, and a full pair first (step 0, first key
+                    # half), so m is finite before any fully masked pair arrives and m_new stays finite.
                     m_new = torch.maximum(m[i], scores.amax(dim=-1))
                     rescale = torch.exp(m[i] - m_new)
                     p = torch.exp(scores - m_new.unsqueeze(-1))
@@ -277,17 +322,18 @@ class _RingAttention(torch.autograd.Function):
             _clock(work, "forward", start)
             if pending is not None:
                 (block_k, block_v), works = pending
-                _finish(works)
+                _finish(works, work)
         out = torch.cat([a / t.unsqueeze(-1) for a, t in zip(acc, total, strict=True)], dim=-2)
         lse = torch.cat([mi + torch.log(t) for mi, t in zip(m, total, strict=True)], dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.split, ctx.work = group, split, work
+        ctx.group, ctx.split, ctx.work, ctx.options = group, split, work, (skip_masked, overlap)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         group, split, work = ctx.group, ctx.split, ctx.work
+        skip_masked, overlap = ctx.options
         rank, cp, _, _ = _ring_peers(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
         mine = _chunks_of(cp, rank, split)
@@ -300,7 +346,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             pending = None
             if step < cp - 1:
-                pending = _start_pass([block_k, block_v], group, tag=1000 + 2 * step)
+                pending = _pass_on([block_k, block_v], group, 1000 + 2 * step, overlap, work)
             theirs = _chunks_of(cp, (rank - step) % cp, split)
             start = time.perf_counter()
             part_k, part_v = [], []
@@ -308,7 +354,7 @@ class _RingAttention(torch.autograd.Function):
                                                strict=True):  # fmt: skip
                 grad_k_half, grad_v_half = torch.zeros_like(k_half), torch.zeros_like(v_half)
                 for i, q_chunk in enumerate(mine):
-                    kind = _pair_kind(q_chunk, k_chunk)
+                    kind = _pair_kind(q_chunk, k_chunk, skip_masked)
                     _count(work, "backward", kind)
                     if kind == "skipped":
                         continue
@@ -323,33 +369,37 @@ class _RingAttention(torch.autograd.Function):
             _clock(work, "backward", start)
             if incoming is not None:  # the earlier ranks' share of this block's gradients, sent last step
                 (earlier_k, earlier_v), works = incoming
-                _finish(works)
+                _finish(works, work)
                 block_grad_k, block_grad_v = block_grad_k + earlier_k, block_grad_v + earlier_v
             if cp > 1:
                 # On to the block's next holder; after the last step that is the block's owner: home.
-                incoming = _start_pass([block_grad_k, block_grad_v], group, tag=2000 + 2 * step)
+                incoming = _pass_on([block_grad_k, block_grad_v], group, 2000 + 2 * step, overlap, work)
             if pending is not None:
                 (block_k, block_v), works = pending
-                _finish(works)
+                _finish(works, work)
         if cp > 1:
             (grad_k, grad_v), works = incoming
-            _finish(works)
+            _finish(works, work)
         else:
             grad_k, grad_v = block_grad_k, block_grad_v
-        return torch.cat(grad_q, dim=-2), grad_k, grad_v, None, None, None
+        return torch.cat(grad_q, dim=-2), grad_k, grad_v, None, None, None, None, None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, split: str = "zigzag", work: dict | None = None
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, split: str = "zigzag", work: dict | None = None,
+    skip_masked: bool = True, overlap: bool = True,
+) -> torch.Tensor:  # fmt: skip
     """Causal attention of this rank's queries over the whole sequence, with K/V passed round ``group``.
 
     ``q``, ``k``, ``v`` are (b, heads, s/cp, d): this rank's tokens as :func:`shard_sequence` gives them
     under ``split``. Returns this rank's rows of softmax(Q K^T / sqrt(d) + M) V. Every rank of ``group``
     must call it at the same time (forward and backward both communicate). If ``work`` is a dict, the
     (query half-chunk, key half-chunk) pairs this rank computes are counted into it, per pass and kind:
-    ``work["forward"] == {"full": .., "diagonal": .., "skipped": ..}``, the same for ``"backward"``, and
-    ``work["seconds"]`` adds up the time spent computing them (waits for blocks excluded).
+    ``work["forward"] == {"full": .., "diagonal": .., "masked": .., "skipped": ..}``, the same for
+    ``"backward"``, and ``work["seconds"]`` adds up the time spent computing them (``"forward"``,
+    ``"backward"``) and waiting for blocks (``"wait"``). ``skip_masked=False`` computes the pairs that lie
+    entirely in the future and masks them whole; ``overlap=False`` waits for each transfer as soon as it is
+    posted: the naive ring, for comparison (same result).
     """
     cp = dist.get_world_size(group)
     local = q.shape[-2]
@@ -358,7 +408,10 @@ def ring_attention(
         raise ValueError(
             f"q, k and v must have the same (b, heads, s/cp, d) shape, got {q.shape}, {k.shape}, {v.shape}"
         )
-    return _RingAttention.apply(q, k, v, group, split, work)
+    for name, flag in (("skip_masked", skip_masked), ("overlap", overlap)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    return _RingAttention.apply(q, k, v, group, split, work, skip_masked, overlap)
 
 
 # ------------------------------------------------------------------------------------- on the model

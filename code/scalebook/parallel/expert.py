@@ -244,13 +244,13 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        out = torch.empty_like(x)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)  # x may be a view (a transpose)
         dist.all_to_all_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out = torch.empty_like(grad)
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
         dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
         return out, None
 
