@@ -15,7 +15,7 @@ from torch import nn
 
 from scalebook import accounting, data
 from scalebook.accounting.comm import data_parallel_bytes_per_step
-from scalebook.comm import launch
+from scalebook.comm import count_traffic, launch
 from scalebook.experiments import zero as zero_runs
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel import zero
@@ -104,21 +104,36 @@ def _wrap(model, method, opt_name, mp_policy=None):
     if method == "zero1-rs":
         return model, zero.ZeroRedundancyOptimizer(_param_groups(model), optimizer_class,
                                                    reduce_scatter_gradients=True, **options)  # fmt: skip
-    if method in ("zero2", "zero3"):
-        zero.fully_shard(model, stage=int(method[-1]), mp_policy=mp_policy)
-    elif method in ("fsdp2", "fsdp2-keep"):
+    if method.startswith(("zero2", "zero3")):
+        prefetch = method.endswith("-prefetch")
+        zero.fully_shard(model, stage=int(method[4]), mp_policy=mp_policy, forward_prefetch=prefetch,
+                         backward_prefetch=prefetch)  # fmt: skip
+    elif method.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(*((mp_policy.param_dtype, mp_policy.reduce_dtype) if mp_policy else ()))
         for module in [*_fsdp2_units(model), model]:
-            fully_shard(module, mesh=mesh, reshard_after_forward=method == "fsdp2", mp_policy=policy)
+            fully_shard(module, mesh=mesh, reshard_after_forward=not method.startswith("fsdp2-keep"),
+                        mp_policy=policy)  # fmt: skip
+        if method.endswith("-prefetch"):
+            _prefetch_neighbours(model, _fsdp2_units(model))
     return model, optimizer_class(_param_groups(model), **options)
+
+
+def _prefetch_neighbours(root, units):
+    """FSDP2's explicit prefetch: each unit gathers the next in the forward pass and the previous one in the
+    backward pass; the root starts both."""
+    root.set_modules_to_forward_prefetch(units[:1])
+    root.set_modules_to_backward_prefetch(units[-1:])
+    for i, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[i + 1 : i + 2])
+        unit.set_modules_to_backward_prefetch(units[i - 1 : i] if i else [])
 
 
 def _full_state(model, method) -> dict[str, torch.Tensor]:
     model = getattr(model, "module", model)  # DDP's wrapped module
-    if method in ("zero2", "zero3"):
+    if method.startswith(("zero2", "zero3")):
         return zero.full_state_dict(model)
     state = model.state_dict()
     return {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone() for k, v in state.items()}
@@ -136,10 +151,11 @@ def _train(name, method, opt_name, *, dtype=torch.float64, mp_policy=None, accum
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step) if halve_lr else None
     losses, norms = [], []
     for x, y in _batches(name, rank, world, BATCH * (dist.get_world_size() if method == "single" else 1)):
-        for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate), strict=True):
-            xs, ys = (t.to(dtype) if t.is_floating_point() else t for t in (xs, ys))
-            loss = _loss(model, xs, ys) / accumulate
-            loss.backward()
+        with count_traffic() as traffic:  # the last step's collectives stay in `traffic`
+            for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate), strict=True):
+                xs, ys = (t.to(dtype) if t.is_floating_point() else t for t in (xs, ys))
+                loss = _loss(model, xs, ys) / accumulate
+                loss.backward()
         if hasattr(model, "sync_gradients"):
             model.sync_gradients()
         if max_norm is not None:
@@ -150,7 +166,8 @@ def _train(name, method, opt_name, *, dtype=torch.float64, mp_policy=None, accum
         if scheduler is not None:
             scheduler.step()
         losses.append(loss.item() * accumulate)
-    return {"state": _full_state(model, method), "losses": losses, "norms": norms}
+    calls = [(c.op, c.message_bytes) for c in traffic.calls]
+    return {"state": _full_state(model, method), "losses": losses, "norms": norms, "calls": calls}
 
 
 def _resumes_bit_identically(name, method) -> bool:
@@ -216,6 +233,9 @@ def _load_other_ranks_state():
 
 
 METHODS = ("zero1", "zero1-book-ddp", "zero1-rs", "torch-zero1", "zero2", "fsdp2-keep", "zero3", "fsdp2")
+# Prefetching (ours: the next unit in the last forward's order, the previous one in the backward) and FSDP2's
+# explicit prefetch of the neighbouring unit; stage 2 gathers only in the first forward after a step.
+PREFETCH_METHODS = ("zero3-prefetch", "fsdp2-prefetch", "zero2-prefetch", "fsdp2-keep-prefetch", "zero3", "fsdp2")
 PRECISIONS = {
     "bf16": zero.MixedPrecisionPolicy(torch.bfloat16),
     "fp16, fp32 reduce": zero.MixedPrecisionPolicy(torch.float16, torch.float32),
@@ -245,8 +265,14 @@ def run_everything() -> dict:
         for method in ("zero1", "zero1-rs", "single")
         if method != "single" or dist.get_rank() == 0
     }
+    out["prefetch"] = {(name, method): _train(name, method, "adamw")
+                       for name in ("gpt", "toy") for method in PREFETCH_METHODS}  # fmt: skip
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # recompute whole blocks, their hooks too
-        out["recompute"] = {method: _train("gpt", method, "adamw", recompute=True) for method in ("zero2", "zero3")}
+        out["recompute"] = {method: _train("gpt", method, "adamw", recompute=True)
+                            for method in ("zero2", "zero3", "zero3-prefetch")}  # fmt: skip
+    out["timelines"] = {prefetch: zero_runs.train(zero_runs.Recipe(TINY), "ZeRO-3", timeline=True,
+                                                  forward_prefetch=prefetch, backward_prefetch=prefetch)["timelines"]
+                        for prefetch in (False, True)}  # fmt: skip
     out["resume"] = {(name, method): _resumes_bit_identically(name, method)
                      for name in ("gpt", "toy") for method in ("zero1", "zero2", "zero3")}  # fmt: skip
     out["errors"] = _bad_requests()
@@ -288,6 +314,55 @@ def test_each_stage_equals_its_pytorch_counterpart_bitwise(ranks, name, opt_name
     assert runs[(name, opt_name, ours)]["losses"] == runs[(name, opt_name, theirs)]["losses"]
 
 
+@pytest.mark.parametrize("name", ["gpt", "toy"])
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [("zero3-prefetch", "fsdp2-prefetch"), ("zero2-prefetch", "fsdp2-keep-prefetch"), ("zero3-prefetch", "zero3")],
+)
+def test_prefetching_equals_fsdp2s_explicit_prefetch_bitwise(ranks, name, ours, theirs):
+    # Prefetching changes when a unit's all-gather is issued and waited for, never what it gathers or adds.
+    runs = ranks[0]["prefetch"]
+    assert _max_difference(runs[(name, ours)]["state"], runs[(name, theirs)]["state"]) == 0.0
+    assert runs[(name, ours)]["losses"] == runs[(name, theirs)]["losses"]
+
+
+def test_prefetching_issues_fsdp2s_collectives_in_fsdp2s_order(ranks):
+    # The launch's NCCL-rules check holds every rank to the same sequence; this is the sequence itself. With
+    # prefetch the backward gathers the next unit before reduce-scattering the current one, as FSDP2 does.
+    # (The GPT only: on the toy our default units, its four children, are not FSDP2's two.)
+    for rank in ranks:
+        runs = rank["prefetch"]
+        assert runs[("gpt", "zero3-prefetch")]["calls"] == runs[("gpt", "fsdp2-prefetch")]["calls"]
+        assert runs[("gpt", "zero3")]["calls"] != runs[("gpt", "zero3-prefetch")]["calls"]
+        assert sorted(runs[("gpt", "zero3")]["calls"]) == sorted(runs[("gpt", "zero3-prefetch")]["calls"])
+
+
+def _timeline(timed, kind, phase) -> dict:
+    """{unit: the step's one event of ``kind`` in ``phase`` for that unit} (stage 3: one gather per unit and pass)."""
+    events = [e for e in timed["events"] if e.kind == kind and e.phase == phase]
+    assert len({e.unit for e in events}) == len(events)
+    return {e.unit: e for e in events}
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_timeline_shows_a_prefetched_gather_in_flight_before_the_previous_unit_computes(ranks, prefetch):
+    # Units: 0 the root (its computation spans the blocks'), then the blocks in forward order. The backward pass
+    # runs the root first, then the blocks in reverse. Step 0 is skipped: the forward order is not known yet.
+    blocks = list(range(1, TINY.n_layer + 1))
+    order = {"forward": [0, *blocks], "backward": [0, *reversed(blocks)]}
+    for rank in ranks:
+        for timed in rank["timelines"][prefetch][1:]:
+            for phase, units in order.items():
+                gathers, waits = _timeline(timed, "all-gather", phase), _timeline(timed, "wait", phase)
+                compute = _timeline(timed, "compute", phase)
+                assert sorted(gathers) == sorted(compute) == sorted(units)
+                for previous, unit in zip(units, units[1:], strict=False):
+                    issued_early = gathers[unit].start < compute[previous].start
+                    assert issued_early == prefetch, (phase, unit)
+                for unit in units:  # a unit computes only on gathered parameters
+                    assert waits[unit].end <= compute[unit].start and gathers[unit].end == waits[unit].end
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("name", ["gpt", "toy"])
 @pytest.mark.parametrize("ours, theirs", [("zero2", "fsdp2-keep"), ("zero3", "fsdp2")])
@@ -314,7 +389,7 @@ def test_a_scheduler_setting_param_groups_lr_reaches_the_wrapped_optimizer(ranks
     assert _max_difference(scheduled["single"]["state"], ranks[0]["runs"][("toy", "sgd", "single")]["state"]) > 1e-3
 
 
-@pytest.mark.parametrize("method", ["zero2", "zero3"])
+@pytest.mark.parametrize("method", ["zero2", "zero3", "zero3-prefetch"])
 def test_activation_checkpointing_recomputes_blocks_inside_backward_and_still_matches(ranks, method):
     # The recomputed forward of a block runs while its unit is gathered for backward: it must stay gathered.
     reference = ranks[0]["runs"][("gpt", "adamw", "single")]["state"]
@@ -422,3 +497,8 @@ def test_int8_blockwise_quantization_matches_torch_fake_quantize():
     assert q.dtype == torch.int8 and scales.shape == (10,)
     assert torch.equal(zero.dequantize_int8_blockwise(q, scales), reference.view(-1))
     assert (zero.dequantize_int8_blockwise(q, scales) - x).abs().max() <= scales.max() / 2
+
+
+def test_record_timeline_refuses_a_module_that_is_not_sharded():
+    with pytest.raises(ValueError, match="not sharded"), zero.record_timeline(_model("toy")):
+        pass

@@ -19,7 +19,9 @@ Source: Rajbhandari et al. 2020 (ZeRO); PyTorch documentation, ``torch.distribut
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -82,11 +84,14 @@ def train_single_process(recipe: Recipe, world_size: int, dtype: torch.dtype = t
             "grads": grads}  # fmt: skip
 
 
-def shard_with_fsdp2(model: nn.Module, mesh, *, reshard_after_forward: bool | None = True, mp_policy=None):
+def shard_with_fsdp2(model: nn.Module, mesh, *, reshard_after_forward: bool | None = True, mp_policy=None,
+                     prefetch: bool = False):  # fmt: skip
     """FSDP2 with the units of our stage 3: one ``fully_shard`` group per block, then the root.
 
     ``reshard_after_forward=None`` is FSDP2's default: ``True`` for the blocks, ``False`` for the root,
-    whose parameters would otherwise be gathered again at once when the backward pass begins.
+    whose parameters would otherwise be gathered again at once when the backward pass begins. A 2-D ``mesh``
+    (replicate, shard) makes it HSDP. ``prefetch``: FSDP2's explicit prefetching, as torchtitan sets it: each
+    unit prefetches the next block in the forward pass and the previous one in the backward pass.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -94,12 +99,23 @@ def shard_with_fsdp2(model: nn.Module, mesh, *, reshard_after_forward: bool | No
     for module in [*model.blocks, model]:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=policy or MixedPrecisionPolicy())  # fmt: skip
+    if prefetch:
+        blocks = list(model.blocks)
+        model.set_modules_to_forward_prefetch(blocks[:1])
+        model.set_modules_to_backward_prefetch(blocks[-1:])
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
+            block.set_modules_to_backward_prefetch(blocks[i - 1 : i] if i else [])
     return model
 
 
+SHARD_OPTIONS = ("process_group", "replicate_group", "forward_prefetch", "backward_prefetch")
+
+
 def wrap(model: nn.Module, method: str, recipe: Recipe, **options):
-    """``(module to call, optimizer)`` of ``method``; options: ``mp_policy``, ``quantized_gather``
-    (ours), ``reshard_after_forward`` (FSDP2)."""
+    """``(module to call, optimizer)`` of ``method``; options: ``mp_policy``, ``quantized_gather`` and
+    ``SHARD_OPTIONS`` (ours, passed to ``fully_shard``), ``reshard_after_forward``, ``mesh`` and ``prefetch``
+    (FSDP2, see :func:`shard_with_fsdp2`)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
@@ -117,13 +133,14 @@ def wrap(model: nn.Module, method: str, recipe: Recipe, **options):
                                                    reduce_scatter_gradients=True, **adamw)  # fmt: skip
     if method in ("ZeRO-2", "ZeRO-3"):
         zero.fully_shard(model, stage=int(method[-1]), mp_policy=options.get("mp_policy"),
-                         quantized_gather=options.get("quantized_gather", False))  # fmt: skip
+                         quantized_gather=options.get("quantized_gather", False),
+                         **{key: options[key] for key in SHARD_OPTIONS if key in options})  # fmt: skip
     elif method == "FSDP2":
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = options.get("mesh") or init_device_mesh("cpu", (dist.get_world_size(),))
         shard_with_fsdp2(model, mesh, reshard_after_forward=options.get("reshard_after_forward", True),
-                         mp_policy=options.get("mp_policy"))  # fmt: skip
+                         mp_policy=options.get("mp_policy"), prefetch=options.get("prefetch", False))  # fmt: skip
     else:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     return model, torch.optim.AdamW(model.parameters(), **adamw)
@@ -142,8 +159,9 @@ def full_gradients(model: nn.Module, method: str, shapes: dict[str, torch.Size],
     named = dict(getattr(model, "module", model).named_parameters())
     if method == "FSDP2":
         return {name: p.grad.full_tensor() for name, p in named.items()}
-    if method in ("ZeRO-2", "ZeRO-3"):
-        return {name: _all_gather(p.grad)[: shapes[name][0]] for name, p in named.items()}
+    if method in ("ZeRO-2", "ZeRO-3"):  # over the shard group (HSDP: the replicas hold the same shards)
+        group = model._zero_sharding.group
+        return {name: _all_gather(p.grad, group)[: shapes[name][0]] for name, p in named.items()}
     if method == "ZeRO-1":  # one parameter group, the parameters end to end in model.parameters() order
         flat, grads, offset = _all_gather(captured[0]), {}, 0
         for name, p in named.items():
@@ -152,9 +170,9 @@ def full_gradients(model: nn.Module, method: str, shapes: dict[str, torch.Size],
     return {name: p.grad.clone() for name, p in named.items()}
 
 
-def _all_gather(shard: torch.Tensor) -> torch.Tensor:
-    out = shard.new_empty(dist.get_world_size() * shard.shape[0], *shard.shape[1:])
-    dist.all_gather_single(out, shard.contiguous())
+def _all_gather(shard: torch.Tensor, group=None) -> torch.Tensor:
+    out = shard.new_empty(dist.get_world_size(group) * shard.shape[0], *shard.shape[1:])
+    dist.all_gather_single(out, shard.contiguous(), group=group)
     return out
 
 
@@ -190,31 +208,36 @@ def _fsdp2_held_bytes(model: nn.Module, optimizer) -> StateBytes:
     return StateBytes(*(sum(t.to_local().nbytes for t in tensors if t is not None) for tensors in kinds))
 
 
-def train(recipe: Recipe, method: str, dtype: torch.dtype = torch.float32, **options) -> dict:
+def train(recipe: Recipe, method: str, dtype: torch.dtype = torch.float32, *, timeline: bool = False,
+          **options) -> dict:  # fmt: skip
     """``recipe`` trained by ``method`` (see the module's docstring) on this rank: final parameters, losses,
     first-step averaged gradients (:func:`full_gradients`), bytes held after the last step and, for our stages
     2 and 3, at most within it, and that step's collectives: ``traffic`` (calls, ring bytes sent) and
-    ``messages`` (message bytes) by operation. Options: ``mp_policy``, ``quantized_gather``,
-    ``reshard_after_forward`` (FSDP2)."""
+    ``messages`` (message bytes) by operation, ``calls`` ((operation, message bytes) in issue order). Options:
+    those of :func:`wrap`. ``timeline`` (our stages 2 and 3): the ranks start each step together (a barrier),
+    and ``timelines`` holds each step's length and :func:`scalebook.parallel.fsdp.record_timeline` events, in
+    seconds from the step's start (the bytes held within the step are then not tracked)."""
     model = recipe.model(dtype)
     shapes = {name: p.shape for name, p in model.named_parameters()}
     peak, measure = _peak_tracker(model)
     sharded = method in ("ZeRO-2", "ZeRO-3")
-    for p in model.parameters() if sharded else ():  # before fully_shard's hooks: just before each reduction
+    tracked = sharded and not timeline  # the trackers' hooks would run inside the timed computations
+    for p in model.parameters() if tracked else ():  # before fully_shard's hooks: just before each reduction
         p.register_post_accumulate_grad_hook(measure)
     module, optimizer = wrap(model, method, recipe, **options)
-    for unit in [model, *model.blocks] if sharded else ():
+    for unit in [model, *model.blocks] if tracked else ():
         _measure_after_gathers(unit, measure)
     captured = []  # our ZeRO-1's averaged gradient exists only inside step(), as its shard's .grad
     if method == "ZeRO-1":
         shard = optimizer.optim.param_groups[0]["params"][0]
         optimizer.optim.register_step_pre_hook(lambda *_: captured.append(shard.grad.clone()))
-    losses, grads = [], None
+    losses, grads, timelines = [], None, []
     for x, y in recipe.batches(dist.get_rank(), dist.get_world_size()):
         peak.update(params=0, grads=0)
-        with count_traffic() as traffic:
+        with _timed_step(model, timeline and sharded) as timed, count_traffic() as traffic:
             _, loss = module(x, y)
             loss.backward()
+        timelines += [timed] if timed else []
         if grads is None and method != "ZeRO-1":  # outside the count: the step's traffic stays the step's own
             grads = full_gradients(model, method, shapes, captured)
         with count_traffic() as update:
@@ -226,7 +249,24 @@ def train(recipe: Recipe, method: str, dtype: torch.dtype = torch.float32, **opt
         losses.append(loss.item())
     return {"params": _full_parameters(model, method, shapes), "losses": losses, "grads": grads, "held": held,
             "peak": StateBytes(max(peak["params"], held.params), max(peak["grads"], held.grads), held.optimizer),
-            "traffic": traffic.by_op(), "messages": traffic.message_bytes_by_op()}  # fmt: skip
+            "traffic": traffic.by_op(), "messages": traffic.message_bytes_by_op(),
+            "calls": [(c.op, c.message_bytes) for c in traffic.calls], "timelines": timelines}  # fmt: skip
+
+
+@contextmanager
+def _timed_step(model: nn.Module, record: bool) -> Iterator[dict]:
+    """``{"length": seconds, "events": [TimelineEvent, ...]}`` of the step the block runs, times from its start
+    (an empty dict when not ``record``)."""
+    timed = {}
+    if not record:
+        yield timed
+        return
+    dist.barrier()  # the ranks start the step together (outside train's count of the step's traffic)
+    with zero.record_timeline(model) as events:
+        start = time.perf_counter()
+        yield timed
+        end = time.perf_counter()
+    timed.update(length=end - start, events=[replace(e, start=e.start - start, end=e.end - start) for e in events])
 
 
 def _full_parameters(model: nn.Module, method: str, shapes: dict) -> dict[str, torch.Tensor]:
@@ -246,12 +286,100 @@ def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max((a[name].double() - b[name].double()).abs().max().item() for name in a)
 
 
+def timeline_totals(timed: dict) -> dict[str, float]:
+    """Seconds of one timed step (:func:`train` with ``timeline=True``) by what the computation did: waited for
+    all-gathers in the forward and in the backward pass (exposed communication), reduced gradients, and the
+    step's length; and the seconds the all-gathers were in flight in all."""
+    totals = {"forward wait": 0.0, "backward wait": 0.0, "reduce": 0.0, "all-gather": 0.0, "step": timed["length"]}
+    for event in timed["events"]:
+        key = f"{event.phase} wait" if event.kind == "wait" else event.kind
+        if key in totals:
+            totals[key] += event.end - event.start
+    return totals
+
+
+def prefetch_runs(recipe: Recipe) -> dict:
+    """Our stage 3 without and with forward and backward prefetch (timed step by step: :func:`train` with
+    ``timeline=True``), and FSDP2 with its explicit prefetch, on this rank. ``timelines[prefetch]``: each
+    step's timeline; ``calls[name]``: the last step's collectives in issue order; ``errors`` and ``losses_equal``
+    against FSDP2 with prefetch (every rank: the parameters are gathered by every rank anyway)."""
+    runs = {
+        "ZeRO-3": train(recipe, "ZeRO-3", timeline=True),
+        "ZeRO-3, prefetch": train(recipe, "ZeRO-3", timeline=True, forward_prefetch=True, backward_prefetch=True),
+        "FSDP2, prefetch": train(recipe, "FSDP2", prefetch=True),
+    }
+    reference = runs["FSDP2, prefetch"]
+    return {
+        "timelines": {False: runs["ZeRO-3"]["timelines"], True: runs["ZeRO-3, prefetch"]["timelines"]},
+        "calls": {name: run["calls"] for name, run in runs.items()},
+        "errors": {name: max_abs_difference(run["params"], reference["params"]) for name, run in runs.items()},
+        "losses_equal": {name: run["losses"] == reference["losses"] for name, run in runs.items()},
+    }
+
+
+def ring_bytes_by_link(unit_numels: list[int], gpus_per_node: int) -> dict[str, float]:
+    """This rank's bytes sent to ranks of its own node (``intra_node``) and of other nodes (``inter_node``) when a
+    ZeRO-3 step's collectives over all ranks (per unit of ``numel`` fp32 elements two all-gathers and one
+    reduce-scatter) run as Chapter 9's rings built from send/recv (:mod:`scalebook.comm.collectives`), whose
+    messages :func:`scalebook.comm.count_traffic` sees one by one. Node k holds ranks k s ... k s + s - 1."""
+    from scalebook.comm.collectives import ring_all_gather, ring_chunk_sizes, ring_reduce_scatter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with count_traffic() as traffic:
+        for numel in unit_numels:
+            for _ in range(2):
+                ring_all_gather(torch.zeros(ring_chunk_sizes(numel, world)[rank]), numel)
+            ring_reduce_scatter(torch.zeros(numel))
+    sent = {"intra_node": 0.0, "inter_node": 0.0}
+    for call in traffic.of("isend"):
+        sent["intra_node" if call.peer // gpus_per_node == rank // gpus_per_node else "inter_node"] += call.bytes_sent
+    return sent
+
+
+def hsdp_runs(recipe: Recipe, gpus_per_node: int = 2) -> dict:
+    """HSDP on this rank's ``world / gpus_per_node`` nodes of ``gpus_per_node`` ranks, each node a shard group (a 2-D
+    ``DeviceMesh``, dims ("replicate", "shard"), whose two groups both use): our stage 3 with ``process_group`` and
+    ``replicate_group`` against FSDP2 on the mesh, in float64 and float32. ``errors`` and ``grad_errors`` (rank 0)
+    against each other and against one process; our fp32 run's ``held`` bytes, ``traffic`` and ``messages``;
+    FSDP2's ``fsdp2_traffic``; and ``ring`` (:func:`ring_bytes_by_link`): where full sharding's bytes go."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % gpus_per_node or world == gpus_per_node:
+        raise ValueError(f"HSDP needs at least two nodes of gpus_per_node={gpus_per_node} ranks; world is {world}")
+    mesh = init_device_mesh("cpu", (world // gpus_per_node, gpus_per_node), mesh_dim_names=("replicate", "shard"))
+    groups = {"process_group": mesh.get_group("shard"), "replicate_group": mesh.get_group("replicate")}
+    out = {"errors": {}, "grad_errors": {}}
+    for name, dtype in (("fp64", torch.float64), ("fp32", torch.float32)):
+        runs = {"HSDP": train(recipe, "ZeRO-3", dtype, backward_prefetch=True, **groups),
+                "FSDP2 HSDP": train(recipe, "FSDP2", dtype, mesh=mesh)}  # fmt: skip
+        if rank == 0:
+            runs["single process"] = train_single_process(recipe, world, dtype)
+            pairs = [("HSDP", "FSDP2 HSDP"), ("HSDP", "single process"), ("FSDP2 HSDP", "single process")]
+            out["errors"][name] = {(a, b): max_abs_difference(runs[a]["params"], runs[b]["params"]) for a, b in pairs}
+            out["grad_errors"][name] = {(a, b): max_relative_difference(runs[a]["grads"], runs[b]["grads"])
+                                        for a, b in pairs}  # fmt: skip
+    out.update({key: runs["HSDP"][key] for key in ("held", "traffic", "messages")})
+    out["fsdp2_traffic"] = runs["FSDP2 HSDP"]["traffic"]
+    model = recipe.model()
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    units = [model.num_parameters() - len(model.blocks) * block] + [block] * len(model.blocks)
+    out["ring"] = ring_bytes_by_link(units, gpus_per_node)
+    return out
+
+
 COMPARED = ("DDP", "ZeRO-1", "ZeRO-1 on DDP", "ZeRO-2", "ZeRO-3", "ZeroRedundancyOptimizer", "FSDP2")
 TORCH_PAIRS = [("ZeRO-1 on DDP", "ZeroRedundancyOptimizer"), ("ZeRO-1", "ZeroRedundancyOptimizer"), ("ZeRO-3", "FSDP2")]
 PAIRS = [(method, "single process") for method in COMPARED] + TORCH_PAIRS
 
 
-def chapter_experiments(recipe: Recipe, curve_recipe: Recipe | None = None) -> dict:
+def chapter_experiments(
+    recipe: Recipe,
+    curve_recipe: Recipe | None = None,
+    *,
+    prefetch_recipe: Recipe | None = None,
+    hsdp_gpus_per_node: int | None = None,
+) -> dict:
     """Every run of Chapter 11 on this rank, reduced to numbers (run it with ``scalebook.comm.launch``).
 
     * ``errors[dtype][(a, b)]`` (rank 0 only): the largest absolute difference of the parameters after
@@ -264,6 +392,8 @@ def chapter_experiments(recipe: Recipe, curve_recipe: Recipe | None = None) -> d
     * ``torch_zero1``, ``zero1_on_ddp``, ``fsdp2[reshard_after_forward]``: PyTorch's bytes and traffic.
     * with ``curve_recipe``: ``curves`` (losses of our stage 3 in fp32, with int8 gathers, in bf16, and of FSDP2
       with bf16 parameters and fp32 reductions) and the int8 run's ``quantized_traffic``.
+    * with ``prefetch_recipe``: ``prefetch`` (:func:`prefetch_runs`); with ``hsdp_gpus_per_node``: ``hsdp``
+      (:func:`hsdp_runs`).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     out = {"world_size": world, "rank": rank, "errors": {}, "grad_errors": {}, "states": {}}
@@ -303,4 +433,8 @@ def chapter_experiments(recipe: Recipe, curve_recipe: Recipe | None = None) -> d
             "FSDP2 bf16 (fp32 reduce)": train(curve_recipe, "FSDP2", mp_policy=fsdp2_policy)["losses"],
         }
         out["quantized_traffic"] = quantized["traffic"]
+    if prefetch_recipe is not None:
+        out["prefetch"] = prefetch_runs(prefetch_recipe)
+    if hsdp_gpus_per_node is not None:
+        out["hsdp"] = hsdp_runs(recipe, hsdp_gpus_per_node)
     return out

@@ -168,7 +168,7 @@ class TimelineEvent:
     """One interval on this rank, in ``time.perf_counter()`` seconds (one clock for every process of a machine).
 
     ``kind``: "all-gather" (a unit's all-gather from its issue to the end of its wait: in flight), "wait" (the
-    computation blocked on that all-gather, the copy into place included: exposed communication), "compute"
+    computation blocked on that all-gather: exposed communication; the copy into place follows), "compute"
     (the unit's forward or backward, from the end of its pre-hook to its post-hook; the root's spans the
     blocks'), "reduce" (the reduce-scatter, and HSDP's all-reduce). ``unit`` indexes the units, the root first.
     """
@@ -199,10 +199,10 @@ class _ShardedModule:
             for p in unit.trainable:
                 p.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, unit))
 
-    def _record(self, kind: str, unit: _Unit, start: float) -> None:
+    def _record(self, kind: str, unit: _Unit, start: float, end: float | None = None) -> None:
         if self.timeline is not None:
-            phase = "backward" if self.in_backward_pass else "forward"
-            self.timeline.append(TimelineEvent(kind, self.units.index(unit), phase, start, time.perf_counter()))
+            phase, end = "backward" if self.in_backward_pass else "forward", end or time.perf_counter()
+            self.timeline.append(TimelineEvent(kind, self.units.index(unit), phase, start, end))
 
     # ----- gathering: issue (async), wait; stage 3 always, stage 2 once the optimizer changed the shards ----
     def _needs_gather(self, unit: _Unit) -> bool:
@@ -217,12 +217,13 @@ class _ShardedModule:
 
     @torch.no_grad()
     def _issue_gather(self, unit: _Unit) -> None:
+        unit.issued_at = time.perf_counter()
         send = unit.send_buffer().to(unit.full.dtype)  # mixed precision: cast before sending, like FSDP2
         pieces = quantize_int8_blockwise(send) if self.quantized_gather else (send,)
         outs = [piece.new_empty(self.world_size * piece.numel()) for piece in pieces]
         works = [dist.all_gather_single(out, piece, group=self.group, async_op=True)
                  for out, piece in zip(outs, pieces, strict=True)]  # fmt: skip
-        unit.pending, unit.issued_at = (works, outs, pieces), time.perf_counter()  # pieces: alive until the wait
+        unit.pending = (works, outs, pieces)  # the inputs too: alive until the wait
 
     @torch.no_grad()
     def _wait_gather(self, unit: _Unit) -> None:
@@ -230,11 +231,12 @@ class _ShardedModule:
         started = time.perf_counter()
         for work in works:
             work.wait()
+        done = time.perf_counter()
+        self._record("all-gather", unit, unit.issued_at, done)
+        self._record("wait", unit, started, done)
         gathered = dequantize_int8_blockwise(*outs) if self.quantized_gather else outs[0]
         unit.fill_full(gathered.view(self.world_size, -1)[:, : unit.shard_numel])
         unit.pending = None
-        self._record("all-gather", unit, unit.issued_at)
-        self._record("wait", unit, started)
 
     def _prefetch(self, unit: _Unit, order: list[_Unit], offset: int) -> None:
         """Issue the all-gather of the unit ``offset`` places from ``unit`` in ``order``, if it needs one."""
