@@ -167,7 +167,6 @@ SLOW = {
     "test_reshard.py": {"zero3"},
     "test_tensor_parallel.py": {"measured"},
     "test_parameter_server.py": {"launched[3]"},  # a 3-rank launch of seven training runs (issue 24)
-    "test_parameter_server.py": {"launched[3]"},  # a 3-rank launch of seven training runs (issue 24)
     "test_ulysses.py": {"launched[4]"},
     "test_traffic.py": {"recorded"},
     "test_train.py": {"test_loss_falls_on_the_embedded_corpus", "test_bf16_autocast_trains_close_to_fp32"},
