@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from scalebook import measure
+from scalebook import accounting, configs, measure
 from scalebook.comm import count_traffic, launch
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel.context import (
@@ -45,11 +45,20 @@ __all__ = [
     "context_parallel_study",
     "gpt_context_parallel_errors",
     "ring_variants",
+    "ring_vs_ulysses_rows",
+    "variant_name",
 ]
 
 # (split, skip_masked, overlap): the naive ring computes every pair and waits for each transfer at once.
 RING_VARIANTS = tuple((split, skip, overlap) for split in SPLITS for skip, overlap in
                       ((False, False), (True, False), (True, True)))  # fmt: skip
+
+
+def variant_name(variant: tuple[str, bool, bool], sep: str = ", ") -> str:
+    """``("zigzag", True, True)`` -> ``"zig-zag, skip + overlap"``; ``"naive"`` for neither saving."""
+    split, skip, overlap = variant
+    saving = {(False, False): "naive", (True, False): "skip", (True, True): "skip + overlap"}[skip, overlap]
+    return f"{'zig-zag' if split == 'zigzag' else split}{sep}{saving}"
 
 
 def compare_ring_attention(
@@ -210,7 +219,7 @@ def _study_on_rank(seq_len: int, timed_seq_len: int | None, gqa: bool) -> dict:
     results = {
         "ring": compare_ring_attention(seq_len=seq_len),
         "ulysses": {"mha": compare_ulysses(seq_len=seq_len, heads=4)},
-        "variants": ring_variants(seq_len=seq_len, timed_seq_len=timed_seq_len, batch=1 if timed_seq_len else 2),
+        "variants": ring_variants(seq_len=seq_len, timed_seq_len=timed_seq_len, batch=1),
     }
     if gqa:  # 8 query heads sharing 2 K/V heads: each rank gets 4 query heads and the one K/V head they share
         results["ulysses"]["gqa"] = compare_ulysses(seq_len=seq_len, heads=4 * cp, kv_heads=cp)
@@ -285,3 +294,34 @@ def ring_attention_study(cps=(2, 4), *, seq_len: int = 64, timed: dict[int, int]
             if seconds:
                 ring["seconds"] = [s["forward"] + s["backward"] for s in seconds]
     return results
+
+
+def ring_vs_ulysses_rows(
+    models: tuple[str, ...] = ("gpt3-175b", "llama-3-8b", "llama-3.1-405b"), cps: tuple[int, ...] = (8, 16), *,
+    seq_len: int = 131072, hardware: str = "h100-sxm", links: tuple[str, ...] = ("nvlink-4", "infiniband-ndr"),
+) -> tuple[list[list], list[str]]:  # fmt: skip
+    """A table (rows, headers) of ring attention against Ulysses for one ``seq_len``-token bf16 sequence of each
+    model on ``cp`` ranks, from :mod:`scalebook.accounting.context`: the bytes each rank sends per layer in the
+    forward pass, whether Ulysses can run, and from how many tokens per rank the ring hides its transfers
+    behind ``hardware``'s dense bf16 peak on each of ``links`` (a prediction)."""
+    peak = configs.get_hardware(hardware).peak_flops["bf16"]
+    rows = []
+    for name in models:
+        cfg = configs.get_model(name)
+        shape = dict(batch=1, heads=cfg.n_heads, seq_len=seq_len, head_dim=cfg.d_head, kv_heads=cfg.n_kv_heads)
+        hide = [
+            accounting.ring_overlap_min_tokens(cfg.n_heads, kv_heads=cfg.n_kv_heads, flops=peak, bandwidth=bandwidth)
+            for bandwidth in (configs.get_link(link).bandwidth for link in links)
+        ]
+        for cp in cps:
+            ring = accounting.ring_attention_bytes_per_rank(**shape, cp=cp)["forward"]
+            if accounting.ulysses_problems(cfg.n_heads, cfg.n_kv_heads, seq_len, cp):
+                ulysses, less = f"no: c does not divide n_kv = {cfg.n_kv_heads}", "ring"
+            else:
+                sent = accounting.ulysses_bytes_per_rank(**shape, cp=cp)["forward"]
+                ulysses, less = f"{sent / 1e9:.2f}", "Ulysses" if sent < ring else "ring"
+            rows.append([name, f"{cfg.n_heads} / {cfg.n_kv_heads}", cp, f"{ring / 1e9:.2f}", ulysses, less,
+                         seq_len // cp, *(f"{h:,.0f}" for h in hide)])  # fmt: skip
+    headers = ["model", "a / n_kv", "c", "ring GB sent", "Ulysses GB sent", "sends less", "tokens per rank s/c",
+               *(f"ring hides its transfers from s/c = ({link})" for link in links)]  # fmt: skip
+    return rows, headers

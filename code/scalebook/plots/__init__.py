@@ -8,6 +8,7 @@ returns the figure; every public function is re-exported here, so ``plots.step_t
     hardware       GPU generations by year: 16-bit FLOP/s, HBM capacity and bandwidth, NVLink
     attention      attention maps; softmax saturation against head width
     memory         what a device holds against its capacity; ZeRO's bytes per parameter
+    context        ring attention's work and time per rank, naive against skipping and overlapping
     network        the interconnect hierarchy of two nodes (NVLink, PCIe, RDMA, GPUDirect); algbw and busbw by size
     communication  collectives before and after; one data-parallel step's timeline; load against ranks
     diagnosis      each rank's step split into compute and waiting; each rank's timeline from a profiler trace
@@ -24,6 +25,7 @@ Source: matplotlib documentation, "Customizing Matplotlib with style sheets and 
 
 from scalebook.plots.attention import attention_map, attention_map_grid, softmax_saturation
 from scalebook.plots.communication import collective_before_after, step_timeline, traffic_vs_ranks
+from scalebook.plots.context import ring_attention_work
 from scalebook.plots.diagnosis import rank_time_split, trace_timeline
 from scalebook.plots.embeddings import labelled_scatter, similarity_heatmap
 from scalebook.plots.hardware import hardware_growth, hardware_numbers
@@ -67,6 +69,7 @@ __all__ = [
     "pipeline_gantt",
     "prefetch_timeline",
     "rank_time_split",
+    "ring_attention_work",
     "scaling_curve",
     "similarity_heatmap",
     "softmax_saturation",
