@@ -304,7 +304,7 @@ def measure_decomposed_mlp(reference: GPT, group, *, seq_len: int, micro_batch: 
     :func:`all_gather_matmul` + GeLU + :func:`matmul_reduce_scatter` and the MLP module (which all-gathers,
     multiplies, reduce-scatters); whether both decomposed functions give exactly the undecomposed results on
     integer-valued inputs and weights; and the messages each sent (``isend`` sizes) and the bytes of the
-    library collectives they replace, as :func:`scalebook.comm.count_traffic` recorded them.
+    library collectives they replace, as :func:`scalebook.comm.traffic.count_traffic` recorded them.
     """
     tp, rank, h = dist.get_world_size(group), dist.get_rank(group), reference.config.n_embd
     mlp = sharded_copy(reference, group, sequence_parallel=True).blocks[0].mlp
