@@ -201,6 +201,8 @@ def communication_overlap(trace: RankTrace) -> Overlap:
 def profiled_step(step, path: str | os.PathLike) -> None:
     """Run ``step()`` once untimed (first messages and allocations cost extra, once), then once under the
     profiler, and write that step's Chrome trace to ``path``."""
+    # kineto, the profiler's engine, prints "profiler_start"/"profiler_stop" to stderr unless told not to.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     step()
     dist.barrier()  # a common start, so that the ranks' timelines line up
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -224,8 +226,6 @@ def profile_steps(
     what the traces should hold: the data-parallel step's number of buckets (one all-reduce each) and the
     pipeline's sends and receives on this rank (:func:`~scalebook.parallel.pipeline.p2p_plan`).
     """
-    # kineto prints "profiler_start"/"profiler_stop" lines to stderr at its default log level.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     model = GPT(GPTConfig.named(size))

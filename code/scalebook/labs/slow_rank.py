@@ -56,11 +56,11 @@ def slow_rank_lab(
     variants=SLOW_RANK_VARIANTS,
     *,
     slow_rank: int = 1,
-    delay: float = 0.2,
+    delay: float = 0.5,
     steps: int = 8,
     micro_batch: int = 1,
     seq_len: int = 16,
-    n_layer: int = 2,
+    n_layer: int = 1,
     seed: int = 0,
 ) -> dict:
     """Worker: ``steps`` data-parallel steps per variant, each rank's compute and wait timed and all-gathered.
@@ -75,7 +75,9 @@ def slow_rank_lab(
     rank, world = dist.get_rank(), dist.get_world_size()
     if not 0 <= slow_rank < world:
         raise ValueError(f"slow_rank must name one of the {world} ranks, got {slow_rank}")
-    config = GPTConfig.named("tiny", n_layer=n_layer)  # little compute: little of this machine's noise
+    # Little compute, so that little of it is the noise of a busy machine: a rank that waits for a core
+    # mid-computation looks slow too, and at a load of 30 on 2 cores that can cost a rank tens of milliseconds.
+    config = GPTConfig.named("tiny", n_layer=n_layer)
     out = {}
     for number, variant in enumerate(variants):
         torch.manual_seed(seed)
@@ -169,12 +171,13 @@ class SlowRankReport:
 
 
 def diagnose_slow_rank(
-    variants=SLOW_RANK_VARIANTS, *, world_size: int = 4, slow_rank: int = 2, delay: float = 0.2, steps: int = 6,
-    min_excess: float = 0.05, timeout: float = 120.0,
+    variants=SLOW_RANK_VARIANTS, *, world_size: int = 3, slow_rank: int = 1, delay: float = 0.5, steps: int = 8,
+    min_excess: float = 0.25, timeout: float = 120.0,
 ) -> list[SlowRankReport]:  # fmt: skip
     """Run :func:`slow_rank_lab` on ``world_size`` ranks (one launch for all variants) and name the straggler of
     each variant from the step times and from the flight recorder (``min_excess`` seconds: the smallest
-    slowness that counts; keep it well under ``delay`` and above this machine's noise)."""
+    slowness that counts; keep it well under ``delay`` and above the noise of the machine, which on a
+    loaded 2-core machine reaches tens of milliseconds)."""
     variants = check_variants(variants, SLOW_RANK_VARIANTS)
     if world_size < 2:
         raise ValueError(f"a straggler needs peers: world_size must be at least 2, got {world_size}")
