@@ -168,3 +168,14 @@ def test_mtp_flops_match_the_flop_counter():
     spec = configs.ModelConfig.from_gpt_config(CONFIG)
     # Module k scores B (T - k) tokens over T - k positions; every matmul is counted forward and twice backward.
     assert extra == sum(B * (T - k) * accounting.mtp_flops_per_token(spec, seq_len=T - k) for k in range(1, depth + 1))
+
+
+def test_a_mixture_of_experts_gpt_gets_a_mixture_of_experts_module():
+    # DeepSeek-V3's module is one more MoE layer: the wrapper builds its block from the GPT's own block class.
+    config = replace(CONFIG, n_experts=4)
+    model, seq = MultiTokenPrediction(GPT(config), 1, 0.3), _sequences()
+    assert type(model.mtp_modules[0].block.mlp) is type(model.model.blocks[0].mlp)
+    assert type(model.mtp_modules[0].block.mlp).__name__ == "MoE"
+    _, _, mtp = model.losses(seq[:, :-1], seq[:, 1:])
+    grads = torch.autograd.grad(mtp[0], list(model.mtp_modules[0].block.mlp.parameters()), allow_unused=True)
+    assert any(g is not None and g.abs().max() > 0 for g in grads)
