@@ -12,7 +12,8 @@ chapters check these numbers against.
              mtp_flops_per_token (DeepSeek-V3's multi-token prediction)
     time     mfu, training_days, devices_needed
     comm     bytes_sent_per_rank, alpha_beta_time, data_parallel_bytes_per_step,
-             tensor_parallel_bytes_per_layer, parameter_server_bytes_per_step, parameter_server_time
+             tensor_parallel_bytes_per_layer, parameter_server_bytes_per_step, parameter_server_time,
+             algbw, busbw, busbw_factor, seconds_at_busbw (nccl-tests' bandwidths)
     pipeline bubble_fraction, peak_in_flight, p2p_bytes_per_step, balanced_partition, stage_memory
     async_tp chunked_overlap_time, async_tp_layer_times (communication hidden under decomposed matmuls)
     context  ring_attention_bytes_per_rank, ulysses_bytes_per_rank, ulysses_problems, ring_overlap_min_tokens
@@ -25,11 +26,15 @@ Kaplan et al. 2020 and Narayanan et al. 2021 (FLOPs); Chowdhery et al. 2022 (MFU
 """
 
 from scalebook.accounting.comm import (
+    algbw,
     alpha_beta_time,
+    busbw,
+    busbw_factor,
     bytes_sent_per_rank,
     data_parallel_bytes_per_step,
     parameter_server_bytes_per_step,
     parameter_server_time,
+    seconds_at_busbw,
     tensor_parallel_bytes_per_layer,
 )
 from scalebook.accounting.context import (
@@ -76,8 +81,11 @@ __all__ = [
     "ModelStateBytes",
     "activation_bytes",
     "active_param_count",
+    "algbw",
     "alpha_beta_time",
     "bubble_fraction",
+    "busbw",
+    "busbw_factor",
     "bytes_sent_per_rank",
     "data_parallel_bytes_per_step",
     "deepseek_v3_state_bytes",
@@ -97,6 +105,7 @@ __all__ = [
     "parameter_server_time",
     "ring_attention_bytes_per_rank",
     "ring_overlap_min_tokens",
+    "seconds_at_busbw",
     "tensor_parallel_bytes_per_layer",
     "training_days",
     "training_flops",
