@@ -34,6 +34,7 @@ def _rms(x, weight, eps):
     return weight * x / torch.sqrt((x * x).mean() + eps)
 
 
+@torch.no_grad()
 def _reference_mtp_losses(model, seq, offset):
     """Each depth's loss, position by position: module k at position i reads h^{k-1}_i and Emb(t_{i+k}) and is
     scored against t_{i + offset(k)} (DeepSeek-V3: offset k + 1), the sum divided by all B T positions."""
@@ -63,7 +64,7 @@ def _reference_mtp_losses(model, seq, offset):
 
 
 def test_each_module_is_scored_against_the_token_k_plus_one_ahead():
-    model, seq = _wrapped(depth=3, weight=0.5), _sequences()
+    model, seq = _wrapped(depth=3, weight=0.5), _sequences(batch=2, length=8)
     with torch.no_grad():  # larger logits than at initialization, so that a wrong target moves the loss a lot
         model.model.wte.weight.mul_(50)
     logits, main, mtp = model.losses(seq[:, :-1], seq[:, 1:])
