@@ -128,8 +128,8 @@ def compare_ulysses(
     """On every rank of the default group (run it with :func:`scalebook.comm.launch`): Ulysses attention
     against :func:`~scalebook.parallel.context.causal_attention` on the whole sequence (K and V repeated over
     each group of query heads when ``kv_heads`` < ``heads``), for each split in ``splits``. Reports, per
-    split, the largest deviations of the output and of the Q, K, V gradients and the calls and bytes this
-    rank sent in the forward and backward passes."""
+    split, the largest deviations of the output and of the Q, K, V gradients, the calls and bytes this
+    rank sent in the forward and backward passes, and the head counts."""
     rank, cp = dist.get_rank(), dist.get_world_size()
     kv_heads = kv_heads or heads
     gen = torch.Generator().manual_seed(seed)
@@ -153,6 +153,8 @@ def compare_ulysses(
             "errors": errors,
             "forward": {op: (n, float(sent)) for op, (n, sent) in forward.by_op().items()},
             "backward": {op: (n, float(sent)) for op, (n, sent) in backward.by_op().items()},
+            "heads": heads,
+            "kv_heads": kv_heads,
         }
     return results
 
@@ -280,20 +282,6 @@ def gpt_context_parallel_errors(cp: int, split: str = "zigzag", *, seed: int = 0
         "grad_scale": max(p.grad.abs().max().item() for p in reference.parameters()),
         "local_tokens": tuple(mine.shape),
     }
-
-
-def ring_attention_study(cps=(2, 4), *, seq_len: int = 64, timed: dict[int, int] | None = None, timeout=300.0):
-    """The chapter's earlier entry point (rank 0's ring results keyed by ``(cp, split)``, with each rank's
-    seconds of computing under ``"seconds"`` where timed); the chapter now calls :func:`context_parallel_study`."""
-    study = context_parallel_study(cps, seq_len=seq_len, timed=timed, timeout=timeout)
-    results = {}
-    for cp, r in study.items():
-        for split, ring in r["ring"].items():
-            results[cp, split] = ring
-            seconds = r["variants"][split, True, True].get("seconds")
-            if seconds:
-                ring["seconds"] = [s["forward"] + s["backward"] for s in seconds]
-    return results
 
 
 def ring_vs_ulysses_rows(
