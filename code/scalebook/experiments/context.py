@@ -173,25 +173,27 @@ def _ring_pass(q, k, v, grad_out, split: str, skip: bool, overlap: bool) -> tupl
 
 def ring_variants(
     *, batch: int = 2, heads: int = 4, seq_len: int = 64, head_dim: int = 16, variants=RING_VARIANTS,
-    timed_seq_len: int | None = None, repeats: int = 3, seed: int = 0,
+    timed_seq_len: int | None = None, repeats: int = 3, seed: int = 0, counted: bool = True,
 ) -> dict[tuple[str, bool, bool], dict]:  # fmt: skip
     """On every rank of the default group: each ``(split, skip_masked, overlap)`` variant of ring attention,
-    its output against one-rank attention, the half-chunk pairs every rank computed and the matmul FLOPs it
-    ran (``FlopCounterMode``, forward and backward). With ``timed_seq_len``, also every rank's seconds at that
-    length (machine-dependent): of the whole forward and backward pass (``"step"``), of computing and of
-    waiting for blocks, from the repeat with the shortest step of ``repeats``."""
+    its output against one-rank attention (``"error"``), the half-chunk pairs every rank computed and the
+    matmul FLOPs it ran (``FlopCounterMode``, forward and backward; ``"per_rank"``), unless ``counted`` is
+    False (``FlopCounterMode``'s first use costs a second or two of CPU per rank). With ``timed_seq_len``,
+    also every rank's seconds at that length (machine-dependent; ``"seconds"``): of the whole forward and
+    backward pass (``"step"``), of computing and of waiting for blocks, from the repeat with the shortest
+    step of ``repeats``."""
     rank, cp = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(seed)
     q, k, v, grad_out = (torch.randn(batch, heads, seq_len, head_dim, generator=gen) for _ in range(4))
     reference = causal_attention(q, k, v)
-    results = {}
-    for split, skip, overlap in variants:
+    results = {variant: {} for variant in variants}
+    for split, skip, overlap in variants if counted else ():
         local = [shard_sequence(t, cp, rank, split=split) for t in (q, k, v, grad_out)]
         out, work, flops = _ring_pass(*local, split, skip, overlap)
         every_rank = [None] * cp
         dist.all_gather_object(every_rank, {"pairs": {p: work[p] for p in ("forward", "backward")}, "flops": flops})
-        results[split, skip, overlap] = {"error": (_gathered(out, split) - reference).abs().max().item(),
-                                         "per_rank": every_rank}  # fmt: skip
+        results[split, skip, overlap].update(error=(_gathered(out, split) - reference).abs().max().item(),
+                                             per_rank=every_rank)  # fmt: skip
     if timed_seq_len:
         timed = [torch.randn(batch, heads, timed_seq_len // cp, head_dim) for _ in range(4)]
         for variant in variants:
@@ -221,7 +223,8 @@ def _study_on_rank(seq_len: int, timed_seq_len: int | None, gqa: bool) -> dict:
     results = {
         "ring": compare_ring_attention(seq_len=seq_len),
         "ulysses": {"mha": compare_ulysses(seq_len=seq_len, heads=4)},
-        "variants": ring_variants(seq_len=seq_len, timed_seq_len=timed_seq_len, batch=1),
+        # Counted where not timed: the chapter counts at c = 4 and times at c = 2.
+        "variants": ring_variants(seq_len=seq_len, timed_seq_len=timed_seq_len, batch=1, counted=not timed_seq_len),
     }
     if gqa:  # 8 query heads sharing 2 K/V heads: each rank gets 4 query heads and the one K/V head they share
         results["ulysses"]["gqa"] = compare_ulysses(seq_len=seq_len, heads=4 * cp, kv_heads=cp)
@@ -234,8 +237,8 @@ def context_parallel_study(
 ) -> dict[int, dict]:  # fmt: skip
     """Check every layout, then run, on ``cp`` fresh ranks for each ``cp`` (one launch each): ring attention
     (:func:`compare_ring_attention`), Ulysses with 4 heads and, for ``cp`` in ``gqa``, with grouped-query
-    attention (:func:`compare_ulysses`), and the ring's variants (:func:`ring_variants`), timed at
-    ``timed[cp]`` tokens where given. Returns rank 0's results per ``cp``: ``{"ring": {split: ...},
+    attention (:func:`compare_ulysses`), and the ring's variants (:func:`ring_variants`): timed at
+    ``timed[cp]`` tokens where given, else counted. Returns rank 0's results per ``cp``: ``{"ring": {split: ...},
     "ulysses": {"mha" | "gqa": {split: ...}}, "variants": {(split, skip, overlap): ...}}``."""
     timed = timed or {}
     for cp in cps:
