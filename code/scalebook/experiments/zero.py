@@ -13,8 +13,13 @@ of the last step (:func:`scalebook.comm.traffic.count_traffic`). Methods:
     "ZeroRedundancyOptimizer"   torch's, behind DDP
     "FSDP2"                     torch's fully_shard on each block, then the root
 
-Source: Rajbhandari et al. 2020 (ZeRO); PyTorch documentation, ``torch.distributed.fsdp.fully_shard``,
-``torch.distributed.optim.ZeroRedundancyOptimizer``.
+The sections on prefetching and hybrid sharding: :func:`prefetch_runs` (our stage 3 timed unit by unit without
+and with prefetch, :func:`timeline_totals`; FSDP2 with explicit prefetch), :func:`hsdp_runs` (HSDP on a 2-D
+group against FSDP2 on a 2-D mesh) and :func:`ring_bytes_by_link` (full sharding's bytes inside and across
+nodes, counted on rings built from send/recv).
+
+Source: Rajbhandari et al. 2020 (ZeRO); Zhao et al. 2023 (PyTorch FSDP: prefetching, hybrid sharding); PyTorch
+documentation, ``torch.distributed.fsdp.fully_shard``, ``torch.distributed.optim.ZeroRedundancyOptimizer``.
 """
 
 from __future__ import annotations
@@ -321,7 +326,7 @@ def ring_bytes_by_link(unit_numels: list[int], gpus_per_node: int) -> dict[str, 
     """This rank's bytes sent to ranks of its own node (``intra_node``) and of other nodes (``inter_node``) when a
     ZeRO-3 step's collectives over all ranks (per unit of ``numel`` fp32 elements two all-gathers and one
     reduce-scatter) run as Chapter 9's rings built from send/recv (:mod:`scalebook.comm.collectives`), whose
-    messages :func:`scalebook.comm.count_traffic` sees one by one. Node k holds ranks k s ... k s + s - 1."""
+    messages :func:`scalebook.comm.traffic.count_traffic` sees one by one. Node k holds ranks k s ... k s + s - 1."""
     from scalebook.comm.collectives import ring_all_gather, ring_chunk_sizes, ring_reduce_scatter
 
     rank, world = dist.get_rank(), dist.get_world_size()
