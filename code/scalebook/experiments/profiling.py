@@ -54,7 +54,7 @@ COMMUNICATION_PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms")
 
 @dataclass(frozen=True)
 class TraceEvent:
-    """One complete event of a trace: its name, kind (one of :data:`KINDS`), thread, start and end in seconds."""
+    """One complete event of a trace: its name, kind (one of ``KINDS``), thread, start and end in seconds."""
 
     name: str
     kind: str

@@ -34,7 +34,7 @@ LAUNCH_STACK = (
 
 def launch_stack(layers=LAUNCH_STACK, *, title: str = "", ax=None):
     """The launch stack as boxes, top to bottom: each layer's alternatives (boxes side by side), what it
-    decides, and (beside the arrow to the next layer) what it hands down. ``layers`` as :data:`LAUNCH_STACK`."""
+    decides, and (beside the arrow to the next layer) what it hands down. ``layers`` as ``LAUNCH_STACK``."""
     from matplotlib.patches import FancyBboxPatch
 
     if ax is None:
