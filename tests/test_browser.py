@@ -241,7 +241,18 @@ class Chromium:
         self.last_activity = time.monotonic()
 
     def open(self, url: str, timeout: float = PAGE_TIMEOUT_S):
-        """Navigate the tab to ``url`` and wait for its load event."""
+        """Navigate the tab to ``url`` and wait for its load event.
+
+        The tab first goes to about:blank under the previous page's origin, so that requests the previous page
+        still had in flight (the search page fetches result pages after it listed them) end there and are not
+        counted against ``url``.
+        """
+        self.loaded = False
+        self.call("Page.navigate", {"url": "about:blank"})
+        deadline = time.monotonic() + min(timeout, 5.0)
+        while not self.loaded and time.monotonic() < deadline:
+            self._receive(deadline)
+        self.pump(0.2)
         self.reset_records()
         parts = urlsplit(url)
         self.allowed_origin = f"{parts.scheme}://{parts.netloc}"

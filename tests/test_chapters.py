@@ -154,6 +154,27 @@ def test_no_warning_reaches_the_reader(path):
     assert not stderr_outputs(path)
 
 
+#: A control character in a markdown cell: "$\beta$" typed through a Python string without the r prefix leaves a
+#: backspace (\x08) and "eta", which MathJax fails on in the browser only.
+CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def control_characters(text: str) -> list[str]:
+    """Each control character (other than newline and tab) in ``text``, with the text around it."""
+    return [repr(text[max(0, m.start() - 30) : m.end() + 10]) for m in CONTROL_CHARACTER.finditer(text)]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_control_character_in_the_prose(path):
+    assert not control_characters(markdown(path))
+
+
+def test_the_control_character_check_catches_a_backspace_from_an_unescaped_beta():
+    found = control_characters("so $tX\beta$ is larger")
+    assert len(found) == 1 and "tX\\x08eta" in found[0], found
+    assert not control_characters("so $tX\\beta$ is larger,\n\tand more")
+
+
 LECTURE_NOTES = re.compile(r"lecture notes|\bthe seeds\b|\bseeds'|seed lecture", re.I)
 LECTURE_NOTE_KEYS = ("xu2026transformer", "torres2025supercomputing")
 

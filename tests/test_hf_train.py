@@ -115,3 +115,12 @@ def test_accelerate_on_cpu_without_mpirun_starts_one_process(tmp_path):
     envs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(envs) == 1 and "RANK" not in envs[0] and "WORLD_SIZE" not in envs[0]
     assert envs[0]["ACCELERATE_USE_CPU"] == "True"
+
+
+def test_a_launch_past_its_timeout_is_killed_with_a_clear_error(tmp_path):
+    # 2 s is far less than the ranks' start-up (importing torch and transformers): the launcher and both ranks
+    # must be killed, and the error must say which launcher and how long, with the end of its stderr.
+    with pytest.raises(TimeoutError, match=r"torchrun did not finish in 2 s \(killed with its ranks\)"):
+        launch("torchrun", ["--output-dir", str(tmp_path / "out"), *TRAIN_ARGS], timeout=2)
+    leftover = subprocess.run(["pgrep", "-f", f"scalebook.hf_train --output-dir {tmp_path}"], capture_output=True)
+    assert leftover.returncode == 1, f"ranks still running: {leftover.stdout!r}"

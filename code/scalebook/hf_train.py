@@ -14,7 +14,7 @@ no tokenizer download is needed.
 
 The same module runs under ``accelerate launch --config_file FILE -m scalebook.hf_train ...``:
 :func:`write_accelerate_config` writes the file that ``accelerate config`` would write, and :func:`launch`
-starts the module under either launcher and collects what each rank saw (:func:`launcher_env`, printed by
+starts the module under either launcher and collects what each rank saw (:func:`launcher_env`, reported by
 every rank before training) and rank 0's losses.
 
 Source: Hugging Face documentation, "Trainer", "TrainingArguments" and "datasets: Load text data";
@@ -38,6 +38,10 @@ from pathlib import Path
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                       "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")  # fmt: skip
+
+
+#: The environment variable that names the folder where :func:`launch`'s ranks write their reports.
+REPORT_DIR = "SCALEBOOK_HF_REPORT_DIR"
 
 
 def load_blocks(data_files: list[str], seq_len: int):
@@ -80,8 +84,8 @@ def launcher_env(environ=None) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Before anything reads (or sets) them: what the launcher handed this rank, one JSON line per rank.
-    print(json.dumps({"launcher_env": launcher_env()}), flush=True)
+    # Before anything reads (or sets) them: what the launcher handed this rank (a file per rank under launch()).
+    _report({"launcher_env": launcher_env()}, f"launcher_env-rank{os.environ.get('RANK', '0')}.json")
     import torch
     from transformers import Trainer, TrainingArguments
 
@@ -110,8 +114,23 @@ def main(argv: list[str] | None = None) -> int:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         record = {"world_size": targs.world_size, "tokens_per_step": trainer.state.train_batch_size
                   * targs.world_size * args.grad_accum * args.seq_len, "losses": losses}  # fmt: skip
-        print(json.dumps(record), flush=True)
+        _report(record, "record.json")
     return 0
+
+
+def _report(obj: dict, name: str) -> None:
+    """Print ``obj`` as one JSON line; under :func:`launch` also write it to ``name`` in its ``REPORT_DIR``.
+
+    Ranks share the launcher's stdout, so :func:`launch` reads files, written whole and then renamed, rather
+    than lines that two ranks may print at the same moment.
+    """
+    print(json.dumps(obj), flush=True)
+    folder = os.environ.get(REPORT_DIR)
+    if folder:
+        path = Path(folder) / name
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(obj), encoding="utf-8")
+        partial.replace(path)
 
 
 def write_accelerate_config(
@@ -169,8 +188,9 @@ def launch(
     """Run ``-m scalebook.hf_train`` under ``"torchrun"`` (``nproc`` ranks) or ``"accelerate"`` (``accelerate
     launch --config_file config_file``, which takes the number of processes from the file).
 
-    The ranks get one thread each and no network (``HF_HUB_OFFLINE``). After ``timeout`` seconds the launcher
-    and its ranks are killed and TimeoutExpired raised.
+    The ranks get one thread each and no network (``HF_HUB_OFFLINE``); each writes what it reports into a
+    temporary folder (``REPORT_DIR``). After ``timeout`` seconds the launcher and its ranks are killed and
+    TimeoutError raised with the end of their stderr.
     """
     python = sys.executable
     if launcher == "torchrun":
@@ -184,19 +204,24 @@ def launch(
     else:
         raise ValueError(f"launcher must be 'torchrun' or 'accelerate', got {launcher!r}")
     command = [*head, "-m", "scalebook.hf_train", *train_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:  # fmt: skip
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and, in its session, every rank
-            proc.communicate()
-            raise
-    # The Trainer also prints its log as Python dicts ({'loss': ...}); ours are JSON objects.
-    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"')]
-    rank_envs = sorted((r["launcher_env"] for r in lines if "launcher_env" in r), key=lambda e: int(e.get("RANK", 0)))
-    record = next((r for r in reversed(lines) if "losses" in r), None)
+    with tempfile.TemporaryDirectory(prefix="hf-launch-") as reports:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               REPORT_DIR: reports}  # fmt: skip
+        with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) as proc:  # fmt: skip
+            try:
+                _, stderr = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and, in its session, every rank
+                _, stderr = proc.communicate()
+                raise TimeoutError(f"{launcher} did not finish in {timeout:.0f} s (killed with its ranks); "
+                                   f"the end of its stderr:\n{stderr[-3000:]}") from None  # fmt: skip
+        folder = Path(reports)
+        rank_envs = [json.loads(p.read_text(encoding="utf-8"))["launcher_env"]
+                     for p in folder.glob("launcher_env-rank*.json")]  # fmt: skip
+        rank_envs.sort(key=lambda e: int(e.get("RANK", 0)))
+        record_file = folder / "record.json"
+        record = json.loads(record_file.read_text(encoding="utf-8")) if record_file.is_file() else None
     return LaunchedRun(command, proc.returncode, rank_envs, record, stderr)
 
 
