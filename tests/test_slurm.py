@@ -200,16 +200,28 @@ def logs_and_records(tmp_path) -> tuple[str, list[dict]]:
     return log, [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
 
+def diagnosis(cluster, info: dict, log: str) -> str:
+    """What to read when a job ended otherwise than expected: its fields, its log, the daemons' last lines."""
+    fields = {k: info.get(k) for k in ("JobState", "Reason", "ExitCode", "Restarts", "NodeList", "BatchHost")}
+    tails = []
+    for path in sorted((cluster.workdir / "log").glob("slurm*.log")):
+        tails.append(f"--- {path.name} (last 25 lines)\n" + "\n".join(path.read_text().splitlines()[-25:]))
+    return f"{fields}\n--- the job's log\n{log}\n" + "\n".join(tails)
+
+
 def stopped_at(log: str) -> int:
     return int(re.search(r"stopping at step (\d+) on SIGUSR1: checkpoint saved", log).group(1))
 
 
 def test_a_job_signalled_before_its_time_limit_saves_requeues_itself_and_ends_as_if_never_stopped(cluster, tmp_path):
     job = stop_mid_run(cluster, tmp_path, "train_single_node.sbatch", LONG)
-    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # SLURM holds a requeued job back ~2 minutes
+    # SLURM holds a requeued job back ~2 minutes; start it in 2 s instead, not now: slurmd refuses a job's launch
+    # credential created in the same second as the kill that revoked the first run's ("Job credential revoked").
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now+2")
     info = cluster.wait_for(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=90)
     log, records = logs_and_records(tmp_path)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1" and info["ExitCode"] == "0:0", log
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1" and info["ExitCode"] == "0:0", (
+        diagnosis(cluster, info, log))
     # The trap passed the signal on; the ranks saved where they stopped; the job requeued itself and came back.
     assert "SIGUSR1: the ranks finish their step, save and stop" in log and "requeued, to resume from" in log
     assert "(restart 0): 2 ranks" in log and "(restart 1): 2 ranks" in log

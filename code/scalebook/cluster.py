@@ -17,7 +17,8 @@ accounting database: jobs are tracked by process (``proctrack/linuxproc``), ``sb
 their exit codes and ``scontrol show job`` their state. :meth:`LocalCluster.submit` and
 :meth:`LocalCluster.wait_for` leave time in between to signal a running job (``scancel --signal=USR1 --batch``)
 or requeue it; SLURM holds a requeued job back about two minutes unless ``scontrol update JobId=N
-StartTime=now`` lets it start at once.
+StartTime=now+2`` lets it start sooner (not ``now``: slurmd refuses a launch credential created in the same
+second as the kill that revoked the first run's, and the job fails with "Job credential revoked").
 
 Requires root (it starts daemons and edits ``/etc/hosts``) and the Debian packages ``slurm-wlm`` and
 ``munge``.
