@@ -247,21 +247,22 @@ class Chromium:
         still had in flight (the search page fetches result pages after it listed them) end there and are not
         counted against ``url``.
         """
-        self.loaded = False
-        self.call("Page.navigate", {"url": "about:blank"})
-        deadline = time.monotonic() + min(timeout, 5.0)
-        while not self.loaded and time.monotonic() < deadline:
-            self._receive(deadline)
+        self._navigate("about:blank", min(timeout, 5.0))
         self.pump(0.2)
         self.reset_records()
         parts = urlsplit(url)
         self.allowed_origin = f"{parts.scheme}://{parts.netloc}"
+        if not self._navigate(url, timeout):
+            raise TimeoutError(f"{url} did not finish loading in {timeout} s")
+
+    def _navigate(self, url: str, timeout: float) -> bool:
+        """Send the tab to ``url``; handle events until its load event or ``timeout``; whether it loaded."""
+        self.loaded = False
         self.call("Page.navigate", {"url": url})
         deadline = time.monotonic() + timeout
-        while not self.loaded:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} did not finish loading in {timeout} s")
+        while not self.loaded and time.monotonic() < deadline:
             self._receive(deadline)
+        return self.loaded
 
     def evaluate(self, expression: str, timeout: float = 30.0):
         """Evaluate JavaScript in the page (awaiting a promise) and return its JSON value."""
