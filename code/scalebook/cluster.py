@@ -150,9 +150,9 @@ class LocalCluster:
         self._add_hosts()
         self._start_munge()
         env = self.env()
-        subprocess.run(["slurmctld", "-i", "-f", str(self.conf)], env=env, check=True)
+        subprocess.run(["slurmctld", "-i", "-f", str(self.conf)], env=env, check=True, timeout=60)
         for node in NODES:
-            subprocess.run(["slurmd", "-N", node, "-f", str(self.conf)], env=env, check=True)
+            subprocess.run(["slurmd", "-N", node, "-f", str(self.conf)], env=env, check=True, timeout=60)
         self._wait_idle(timeout)
         return self
 
@@ -169,7 +169,8 @@ class LocalCluster:
             hosts.write_text(text.rstrip("\n") + "\n" + self._hosts_line)
 
     def _munged(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["munged", f"--socket={self.munge_socket}", *args], capture_output=True, text=True)
+        return subprocess.run(["munged", f"--socket={self.munge_socket}", *args], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
 
     def _start_munge(self) -> None:
         munge = self.workdir / "munge"
@@ -206,12 +207,20 @@ class LocalCluster:
         """Stop the daemons this cluster started (munged included), remove its /etc/hosts line and, unless
         ``keep_files`` (to read the logs of a failed start), the files ``up()`` wrote. Safe to call twice."""
         if self.conf.exists():
+            jobs = subprocess.run(["squeue", "-h", "-o", "%A"], env=self.env(), capture_output=True, text=True,
+                                  timeout=30).stdout.split()  # fmt: skip
+            if jobs:
+                subprocess.run(["scancel", *jobs], env=self.env(), capture_output=True, timeout=30)
             subprocess.run(["scontrol", "shutdown"], env=self.env(), capture_output=True, timeout=30)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and self._running("slurmd", "slurmctld"):
             time.sleep(0.2)
         for name in ("slurmd", "slurmctld"):  # whatever did not stop by itself
-            subprocess.run(["pkill", "-9", "-f", f"{name} .*{self.conf}"], capture_output=True)
+            subprocess.run(["pkill", "-9", "-f", f"{name} .*{self.conf}"], capture_output=True, timeout=30)
+        # A job's tasks outlive a killed slurmd: every process started for this cluster carries its SLURM_CONF.
+        from scalebook.comm import processes
+
+        processes.kill_marked(str(self.conf), name="SLURM_CONF")
         if self.munge_socket.exists():
             self._munged("--stop")  # waits until the daemon bound to the socket has exited
         shutil.rmtree(self.munge_socket.parent, ignore_errors=True)
@@ -234,7 +243,7 @@ class LocalCluster:
 
     def _running(self, *names: str) -> bool:
         return any(
-            subprocess.run(["pgrep", "-f", f"{name} .*{self.conf}"], capture_output=True).returncode == 0
+            subprocess.run(["pgrep", "-f", f"{name} .*{self.conf}"], capture_output=True, timeout=30).returncode == 0
             for name in names
         )
 
@@ -262,7 +271,16 @@ class LocalCluster:
 
         Extra ``args`` go to ``sbatch`` before the script.
         """
-        result = self._sbatch(script, "--wait", *args, env=env, cwd=cwd, timeout=timeout)
+        try:
+            result = self._sbatch(script, "--wait", *args, env=env, cwd=cwd, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            # Killing sbatch leaves its job running: cancel it (sbatch --parsable printed its id at submission).
+            printed = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            job_id = printed.strip().split(";")[0]
+            if job_id:
+                self.run("scancel", job_id, check=False, timeout=30)
+            raise ClusterError(f"sbatch --wait {script} did not finish in {timeout:.0f} s; job {job_id or '?'} "
+                               "was cancelled") from None  # fmt: skip
         return result.returncode, result.stdout.strip().split(";")[0]
 
     def submit(self, script: str | os.PathLike, *args: str, env: dict[str, str] | None = None, cwd=None) -> str:

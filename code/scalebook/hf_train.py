@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -190,8 +188,11 @@ def launch(
 
     The ranks get one thread each and no network (``HF_HUB_OFFLINE``); each writes what it reports into a
     temporary folder (``REPORT_DIR``). After ``timeout`` seconds the launcher and its ranks are killed and
-    TimeoutError raised with the end of their stderr.
+    TimeoutError raised with the end of their stderr (:func:`scalebook.comm.processes.run`: every process the
+    launcher started is killed, torchrun's ranks in their own sessions included).
     """
+    from scalebook.comm import processes
+
     python = sys.executable
     if launcher == "torchrun":
         if nproc < 1:
@@ -207,22 +208,14 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="hf-launch-") as reports:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                REPORT_DIR: reports}  # fmt: skip
-        with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) as proc:  # fmt: skip
-            try:
-                _, stderr = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and, in its session, every rank
-                _, stderr = proc.communicate()
-                raise TimeoutError(f"{launcher} did not finish in {timeout:.0f} s (killed with its ranks); "
-                                   f"the end of its stderr:\n{stderr[-3000:]}") from None  # fmt: skip
+        finished = processes.run(command, env=env, timeout=timeout, name=launcher)
         folder = Path(reports)
         rank_envs = [json.loads(p.read_text(encoding="utf-8"))["launcher_env"]
                      for p in folder.glob("launcher_env-rank*.json")]  # fmt: skip
         rank_envs.sort(key=lambda e: int(e.get("RANK", 0)))
         record_file = folder / "record.json"
         record = json.loads(record_file.read_text(encoding="utf-8")) if record_file.is_file() else None
-    return LaunchedRun(command, proc.returncode, rank_envs, record, stderr)
+    return LaunchedRun(command, finished.returncode, rank_envs, record, finished.stderr)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scalebook.comm import nccl_rules
+from scalebook.comm import nccl_rules, processes
 
 STARTUP_ALLOWANCE = 120.0  # seconds for all ranks to start and join the process group
 
@@ -288,9 +288,10 @@ def _watch(procs: list, outdir: Path, timeout: float) -> tuple[dict[int, dict], 
         hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
+                processes.kill_marked(None, p.pid)  # whatever the rank started (a data worker, say) first
                 p.kill()
         for p in procs:
-            p.join()
+            p.join(timeout=30)
     collect()
     return outcomes, hung
 

@@ -431,10 +431,11 @@ def run_local(
     """Run ``python -m scalebook.train`` in a subprocess: directly, or under ``torchrun`` with ``nproc`` ranks.
 
     For notebooks and tests: the ranks get one thread each, and the JSON metric lines are parsed. After
-    ``timeout`` seconds the whole process group (launcher and ranks) is killed and TimeoutExpired raised,
-    so no orphaned rank keeps running.
+    ``timeout`` seconds the launcher and every process it started are killed and
+    :class:`scalebook.comm.processes.LaunchTimeout` (a ``subprocess.TimeoutExpired``) raised, so no orphaned
+    rank keeps running.
     """
-    import subprocess
+    from scalebook.comm import processes
 
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -443,21 +444,10 @@ def run_local(
         python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *torchrun_args,
         "-m", "scalebook.train"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    with subprocess.Popen([*launcher, *train_args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True) as proc:  # fmt: skip
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            # SIGTERM lets torchrun stop its ranks (they run in sessions of their own); then make sure.
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.communicate(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-            raise
-    records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    return LocalRun(proc.returncode, records, stderr)
+    name = "torchrun" if launcher[1:3] == ["-m", "torch.distributed.run"] else "python -m scalebook.train"
+    finished = processes.run([*launcher, *train_args], env=env, timeout=timeout, name=name)
+    records = [json.loads(line) for line in finished.stdout.splitlines() if line.startswith("{")]
+    return LocalRun(finished.returncode, records, finished.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
