@@ -1,13 +1,23 @@
 """The book's benchmarks: each entry is a ratio measured side by side in one run on this machine.
 
-    python bench/run.py [--only NAME ...] [--repeats N]
+    python bench/run.py [--only NAME ...] [--repeats N] [--output FILE]
+    python bench/run.py --readme
 
-Writes bench/results.json (machine description + entries) and prints a table. Not part of `make test`:
-timings belong here, not in assertions. An entry is a function that returns a dict (or a list of dicts) with
-``name``, ``ours``, ``reference``, ``unit``, ``ratio`` (ours / reference) and ``note``. The book's own
-benchmarks are listed in BENCHMARKS below; a strategy's benchmarks live in ``bench/<strategy>.py``, which lists
-its functions in ``ENTRIES`` and is collected here by file: ``--only zero`` runs bench/zero.py's entries,
-``--only zero.NAME`` one of them. A function that takes an argument receives ``--repeats``.
+Writes ``bench/results/<date>-<machine>.json`` (the machine: CPU model, its vector ISA as PyTorch reports it
+and the core count; the file holds the machine's description, the load average before and after, the
+versions, and the entries), prints a table, and renders the newest file in bench/results/ into README.md
+between the ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` markers (``--readme`` does only that;
+``tests/test_bench_results.py`` fails when README.md and the newest file disagree). With ``--only`` the
+entries run are merged into the day's file for this machine, replacing those of the same benchmark, so
+entries can be measured one at a time. ``--output`` writes elsewhere and leaves README.md alone. Not part
+of `make test`: timings belong here, not in assertions.
+
+An entry is a function that returns a dict (or a list of dicts) with ``name``, ``ours``, ``reference``,
+``unit``, ``ratio`` (ours / reference) and ``note``; a budget entry (the chapters' execution times) has
+``seconds`` and ``budget_s`` instead. The book's own benchmarks are listed in BENCHMARKS below; a strategy's
+benchmarks live in ``bench/<strategy>.py``, which lists its functions in ``ENTRIES`` and is collected here by
+file: ``--only zero`` runs bench/zero.py's entries, ``--only zero.NAME`` one of them. A function that takes
+an argument receives ``--repeats``.
 
 The table flags every entry where the book's version does worse than its reference by more than GOAL_RATIO
 (time, bytes: ours / reference; throughput, units ending in "/s": reference / ours), with its note.
@@ -17,10 +27,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import inspect
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -28,12 +40,35 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
+RESULTS = BENCH / "results"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 GOAL_RATIO = 1.2
+NOTEBOOK_BUDGET_S = 120
+# The fields every results file's "machine" holds (tests/test_bench_results.py checks the newest file).
+MACHINE_FIELDS = ("cpu", "cpu_capability", "cores", "torch_threads", "load_before", "load_after", "python", "torch",
+                  "transformers", "date", "slug")  # fmt: skip
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
 
 
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_slug(cpu: str, capability: str, cores: int) -> str:
+    """``"Intel(R) Xeon(R) Processor", "AVX512", 2`` -> ``"intel-xeon-avx512-2c"``: the results file's name."""
+    model = re.sub(r"\((R|TM)\)|\bCPU\b|\bProcessor\b|@.*$|\d+-Core", " ", cpu, flags=re.IGNORECASE)
+    words = re.sub(r"[^a-z0-9]+", "-", f"{model} {capability}".lower()).strip("-")
+    return f"{words}-{cores}c"
+
+
 def machine() -> dict:
+    """This machine and software: CPU model, PyTorch's CPU capability (the vector ISA its kernels use), cores,
+    threads, versions, the date, and the 1-, 5- and 15-minute load average now (``load_before``)."""
     import torch
 
     cpu = platform.processor() or "unknown"
@@ -44,14 +79,21 @@ def machine() -> dict:
                 break
     except OSError:
         pass
+    capability = torch.backends.cpu.get_cpu_capability()
     return {
         "cpu": cpu,
+        "cpu_capability": capability,
         "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_before": [round(x, 2) for x in os.getloadavg()],
+        "load_after": None,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
+        "transformers": _version("transformers"),
         "platform": platform.platform(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "date": time.strftime("%Y-%m-%d"),
+        "time": time.strftime("%H:%M:%S"),
+        "slug": machine_slug(cpu, capability, os.cpu_count() or 0),
     }
 
 
@@ -165,7 +207,7 @@ def bench_tokenizer_encode(repeats: int) -> list[dict]:
 
 
 def bench_notebooks(repeats: int) -> list[dict]:
-    """Seconds to execute each chapter top to bottom vs the 120 s budget."""
+    """Seconds to execute each chapter top to bottom (kernel start included), beside the 120 s budget."""
     from scalebook.notebook import execute_notebook
 
     entries = []
@@ -174,11 +216,10 @@ def bench_notebooks(repeats: int) -> list[dict]:
         entries.append(
             {
                 "name": f"notebook {path.name}",
-                "ours": round(seconds, 1),
-                "reference": 120,
+                "seconds": round(seconds, 1),
+                "budget_s": NOTEBOOK_BUDGET_S,
                 "unit": "s",
-                "ratio": seconds / 120,
-                "note": "execution time / budget (must stay below 1)",
+                "note": f"execution time, best of {max(1, repeats // 3)}; must stay below the budget",
             }
         )
     return entries
@@ -208,23 +249,134 @@ def collected_entries() -> dict:
     return entries
 
 
+def is_budget(entry: dict) -> bool:
+    """A time against a budget (``seconds``, ``budget_s``), not a ratio against a reference."""
+    return "budget_s" in entry
+
+
 def slowdown(entry: dict) -> float:
     """How many times worse ours is than the reference (> 1: worse), whichever way the unit points."""
     return 1 / entry["ratio"] if entry["unit"].endswith("/s") else entry["ratio"]
 
 
+def verdict(entry: dict) -> str:
+    """``"1.35x worse"``, ``"2.00x better"`` or ``"equal"``: the ratio read the right way for its unit."""
+    worse = slowdown(entry)
+    if round(worse, 2) == 1:
+        return "equal"
+    return f"{worse:.2f}x worse" if worse > 1 else f"{1 / worse:.2f}x better"
+
+
 def print_table(results: dict) -> None:
-    """The ratio table; an entry more than GOAL_RATIO times worse than its reference is flagged with its note."""
+    """The ratio table; an entry more than GOAL_RATIO times worse than its reference is flagged with its note;
+    then the budget entries."""
     m = results["machine"]
-    print(f"\n{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)")
-    width = max(len(e["name"]) for e in results["entries"])
-    print(f"{'benchmark':<{width}}  {'ours':>10}  {'reference':>10}  {'unit':<8}  ratio")
-    flagged = [e for e in results["entries"] if slowdown(e) > GOAL_RATIO]
-    for e in results["entries"]:
-        mark = f"  > {GOAL_RATIO}x worse" if e in flagged else ""
-        print(f"{e['name']:<{width}}  {e['ours']:>10}  {e['reference']:>10}  {e['unit']:<8}  {e['ratio']:.2f}{mark}")
+    print(f"\n{m['cpu']} ({m['cpu_capability']}), {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} "
+          f"threads), load average {m['load_before']} before, {m['load_after']} after")  # fmt: skip
+    ratios = [e for e in results["entries"] if not is_budget(e)]
+    budgets = [e for e in results["entries"] if is_budget(e)]
+    flagged = [e for e in ratios if slowdown(e) > GOAL_RATIO]
+    if ratios:
+        width = max(len(e["name"]) for e in ratios)
+        print(f"{'benchmark':<{width}}  {'ours':>10}  {'reference':>10}  {'unit':<8}  ratio")
+        for e in ratios:
+            mark = f"  > {GOAL_RATIO}x worse" if e in flagged else ""
+            print(f"{e['name']:<{width}}  {e['ours']:>10}  {e['reference']:>10}  {e['unit']:<8}  "
+                  f"{e['ratio']:.2f}{mark}")
+    if budgets:
+        width = max(len(e["name"]) for e in budgets)
+        print(f"\n{'chapter':<{width}}  {'seconds':>8}  {'budget':>8}")
+        for e in budgets:
+            mark = "  over budget" if e["seconds"] > e["budget_s"] else ""
+            print(f"{e['name']:<{width}}  {e['seconds']:>8}  {e['budget_s']:>8}{mark}")
     for e in flagged:
         print(f"\n{e['name']}: {slowdown(e):.2f}x worse than the reference (goal <= {GOAL_RATIO}x)\n  {e['note']}")
+
+
+# ----- the README's block -------------------------------------------------------------------------------------
+def newest_results(folder: Path = RESULTS) -> Path:
+    """The newest results file: the latest date in its name (``<date>-<machine>.json``), then the name."""
+    files = sorted(folder.glob("*.json"), key=lambda p: (p.name[:10], p.name))
+    if not files:
+        raise FileNotFoundError(f"no results file in {folder}: run `make bench`")
+    return files[-1]
+
+
+def _cell(value) -> str:
+    text = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+    return text.replace("|", "\\|")
+
+
+def render_markdown(results: dict, name: str) -> str:
+    """The README's benchmark section body: where and how it was measured, the ratio table, the budget table."""
+    m = results["machine"]
+    load = f"{m['load_before'][0]:g} before the run and {m['load_after'][0]:g} after it" if m["load_after"] else (
+        f"{m['load_before'][0]:g} before the run")  # fmt: skip
+    lines = [
+        f"Measured {m['date']} by `make bench` (`bench/results/{name}`, which holds every entry's setup and the "
+        f"load before and after each): {m['cpu']} ({m['cpu_capability']}), {m['cores']} cores, Python "
+        f"{m['python']}, torch {m['torch']}, transformers {m['transformers']}; torch threads "
+        f"{m['torch_threads']} in the main process, 1 per rank in the distributed entries (gloo). 1-minute load "
+        f"average {load}: the machine is shared, so a ratio moves by some 10-20 % from run to run. Each entry "
+        "times ours and the reference interleaved in the same run; ratio = ours / reference (for tokens/s and "
+        "MB/s, above 1 means ours is faster; for ms and bytes, below 1 means ours is faster or smaller).",
+        "",
+    ]
+    ratios = [e for e in results["entries"] if not is_budget(e)]
+    budgets = [e for e in results["entries"] if is_budget(e)]
+    if ratios:
+        lines += ["| benchmark | ours | reference | unit | ratio | ours is | setup |",
+                  "| --- | ---: | ---: | --- | ---: | --- | --- |"]
+        for e in ratios:
+            mark = f" (goal <= {GOAL_RATIO}x)" if slowdown(e) > GOAL_RATIO else ""
+            lines.append(f"| {_cell(e['name'])} | {_cell(e['ours'])} | {_cell(e['reference'])} | {e['unit']} | "
+                         f"{e['ratio']:.2f} | {verdict(e)}{mark} | {_cell(e['note'])} |")  # fmt: skip
+    if budgets:
+        lines += ["", "| chapter | seconds | budget (s) |", "| --- | ---: | ---: |"]
+        lines += [f"| {e['name'].removeprefix('notebook ')} | {e['seconds']} | {e['budget_s']} |" for e in budgets]
+    else:
+        lines += ["", "The chapters' execution times against the 120 s budget are not in this file "
+                      "(`python bench/run.py --only notebooks` measures them)."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def readme_block(path: Path | None = None) -> str:
+    """What README.md must hold between BEGIN and END: the rendering of ``path`` (default: the newest file)."""
+    path = path or newest_results()
+    return render_markdown(json.loads(path.read_text(encoding="utf8")), path.name)
+
+
+def readme_section(text: str) -> str:
+    """The text between README.md's BEGIN and END markers (without the newlines next to them)."""
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"README.md must hold one {BEGIN} ... {END} block")
+    return text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip("\n")
+
+
+def update_readme(readme: Path = README, path: Path | None = None) -> None:
+    text = readme.read_text(encoding="utf8")
+    old = readme_section(text)
+    start = text.index(BEGIN) + len(BEGIN)
+    end = text.index(END)
+    new = f"{text[:start]}\n{readme_block(path)}\n{text[end:]}"
+    if readme_section(new) != old:
+        readme.write_text(new, encoding="utf8")
+
+
+# ----- running ------------------------------------------------------------------------------------------------
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def _merged(output: Path, results: dict, replaced: set[str]) -> dict:
+    """``results`` added to the file at ``output`` (same date and machine): its entries of the benchmarks in
+    ``replaced`` dropped, the rest kept; the machine's ``load_before`` is the first run's."""
+    if not output.exists():
+        return results
+    old = json.loads(output.read_text(encoding="utf8"))
+    kept = [e for e in old["entries"] if e.get("benchmark") not in replaced]
+    machine_ = {**results["machine"], "load_before": old["machine"]["load_before"]}
+    return {"machine": machine_, "runs": old.get("runs", []) + results["runs"], "entries": kept + results["entries"]}
 
 
 def main(argv=None) -> int:
@@ -235,8 +387,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=sorted([*runners, *modules]), help="run only these benchmarks")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per measurement")
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results.json")
+    parser.add_argument("--output", type=Path, help="results file (default: bench/results/<date>-<machine>.json, "
+                        "and README.md's block follows it)")  # fmt: skip
+    parser.add_argument("--readme", action="store_true", help="run nothing: render the newest file in "
+                        "bench/results/ into README.md")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.readme:
+        update_readme()
+        print(f"README.md: rendered {newest_results().relative_to(ROOT)}")
+        return 0
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     selected = [name for name in runners if not args.only or name in args.only or name.split(".")[0] in args.only]
@@ -244,17 +403,34 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    results = {"machine": machine(), "entries": []}
+    results = {"machine": machine(), "runs": [], "entries": []}
+    started = time.time()
     for name in selected:
         print(f"running {name} ...", file=sys.stderr, flush=True)
+        before, start = _load(), time.perf_counter()
         out = runners[name](args.repeats)
-        results["entries"] += out if isinstance(out, list) else [out]
+        extra = {"benchmark": name, "load_before": before, "load_after": _load(),
+                 "seconds_taken": round(time.perf_counter() - start, 1)}  # fmt: skip
+        results["entries"] += [{**entry, **extra} for entry in (out if isinstance(out, list) else [out])]
+    results["machine"]["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    results["runs"].append({"argv": sys.argv[1:] if argv is None else list(argv), "repeats": args.repeats,
+                            "started": time.strftime("%H:%M:%S", time.localtime(started)),
+                            "seconds": round(time.time() - started, 1), "benchmarks": selected,
+                            "load_before": results["machine"]["load_before"],
+                            "load_after": results["machine"]["load_after"]})  # fmt: skip
 
-    tmp = args.output.with_suffix(".tmp")
+    output = args.output or RESULTS / f"{results['machine']['date']}-{results['machine']['slug']}.json"
+    if args.output is None and args.only:
+        results = _merged(output, results, set(selected))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_suffix(".tmp")
     tmp.write_text(json.dumps(results, indent=2) + "\n")
-    tmp.replace(args.output)
+    tmp.replace(output)
     print_table(results)
-    print(f"\nwritten to {args.output}")
+    print(f"\nwritten to {output}")
+    if args.output is None:
+        update_readme()
+        print(f"README.md: rendered {newest_results().relative_to(ROOT)}")
     return 0
 
 
