@@ -59,7 +59,7 @@ cluster-up: $(STAMP)
 cluster-down: $(STAMP)
 	$(BIN)/python -m scalebook.cluster down
 
-## bench: side-by-side benchmarks, written to bench/results.json (not part of `make test`)
+## bench: side-by-side benchmarks into bench/results/<date>-<machine>.json (commit it) and README.md's table; not in make test
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
 
@@ -74,5 +74,5 @@ gpu-check:
 	PYTHONPATH=code$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) bench/gpu_check.py $(ARGS)
 
 clean:
-	rm -rf _build .jupyter_cache .pytest_cache bench/results.json
+	rm -rf _build .jupyter_cache .pytest_cache
 	find . -name __pycache__ -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
