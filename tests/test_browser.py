@@ -10,7 +10,8 @@ screen of each page, light and dark, to _build/screenshots/<page>.png and <page>
 A second, generated notebook with ipywidgets state checks that the vendored html-manager renders
 the standard controls with nothing fetched from a CDN.
 
-Needs /usr/bin/chromium (Debian's `chromium`); skipped with a reason when it is absent.
+Needs /usr/bin/chromium (Debian's `chromium`); skipped with a reason when it is absent, a failure under CI=true
+(tests/_skips.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from _skips import require
 from conftest import toc_pages
 
 pytestmark = pytest.mark.browser
@@ -316,11 +318,16 @@ class Chromium:
 # --------------------------------------------------------------------------------------------
 # Fixtures
 # --------------------------------------------------------------------------------------------
+def require_chromium() -> None:
+    """Skip without Chromium; under CI=true fail instead (see tests/_skips.py). Also used by test_lab.py and
+    test_live_calculators.py."""
+    require(Path(CHROMIUM).is_file(), f"Chromium ({CHROMIUM})", "apt-get install chromium fonts-dejavu-core")
+
+
 @pytest.fixture(scope="session")
 def chromium(tmp_path_factory):
-    """One headless Chromium for the session; skipped if it is not installed."""
-    if not Path(CHROMIUM).is_file():
-        pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium); .ci/run installs it")
+    """One headless Chromium for the session; skipped if it is not installed (a failure under CI=true)."""
+    require_chromium()
     browser = Chromium(tmp_path_factory.mktemp("chromium"))
     yield browser
     browser.close()

@@ -4,6 +4,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from scalebook import accounting, configs
 
@@ -104,7 +105,6 @@ def test_model_configs_are_frozen():
 
 
 def test_gpt_config_kwargs_build_the_books_gpt_with_hf_gpt2s_parameter_count():
-    torch = pytest.importorskip("torch")
     from scalebook.model import GPT, GPTConfig
 
     with torch.device("meta"):

@@ -15,7 +15,7 @@ book/_ext/footbibliography_marker.py) renders as nothing, so no red "Unknown Dir
 ``{doc}`` role or its bare target; the links to other pages (Markdown links to their .ipynb / .md files) open
 those files in JupyterLab. The ``{footcite}`` keys show bare (jupyterlab-myst 2.7.0 resolves no key from a .bib).
 
-Needs /usr/bin/chromium; skipped with a reason when it is absent.
+Needs /usr/bin/chromium; skipped with a reason when it is absent, a failure under CI=true (tests/_skips.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_browser import CHROMIUM, Chromium
+from test_browser import Chromium, require_chromium
 
 from scalebook.notebook import eval_expressions, shown_text
 
@@ -124,8 +124,7 @@ def lab(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    if not Path(CHROMIUM).is_file():
-        pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium); .ci/run installs it")
+    require_chromium()
     chromium = Chromium(tmp_path_factory.mktemp("chromium"))
     yield chromium
     chromium.close()

@@ -106,7 +106,6 @@ def test_a_run_shorter_than_a_day_reads_in_hours_and_one_gpu_is_singular():
 
 
 def test_the_training_time_panel_recomputes_when_a_control_changes():
-    pytest.importorskip("ipywidgets")
     grid, result = widgets.training_time_calculator().children
     controls = {control.description: control for control in grid.children}
     controls["GPUs"].value = 2048
@@ -286,10 +285,9 @@ def answer(browser, name: str, inputs: dict) -> str:
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    from test_browser import CHROMIUM, Chromium
+    from test_browser import Chromium, require_chromium
 
-    if not Path(CHROMIUM).is_file():
-        pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)")
+    require_chromium()
     chromium = Chromium(tmp_path_factory.mktemp("chromium-live"))
     yield chromium
     chromium.close()

@@ -5,6 +5,7 @@ Each measurement is checked against the closed-form formula and against a count 
 
 import pytest
 import torch
+import transformers
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from scalebook import accounting, configs, measure
@@ -261,7 +262,6 @@ LLAMA_SHAPES = [(64, 2, 128, 8, 2, 352), (32, 3, 64, 4, 4, 176), (128, 1, 128, 4
 
 def hf_llama_and_tokens(s, b, h, a, n_kv, d_ff, attn_implementation, n_layers=2):
     """Hugging Face's LlamaForCausalLM built from a small LlamaConfig (nothing downloaded), and its config."""
-    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     hf_cfg = transformers.LlamaConfig(
         vocab_size=256, hidden_size=h, intermediate_size=d_ff, num_hidden_layers=n_layers, num_attention_heads=a,

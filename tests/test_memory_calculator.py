@@ -63,7 +63,6 @@ def test_bad_layouts_raise_one_value_error(kwargs, message):
 
 
 def test_the_panel_recomputes_when_a_control_changes():
-    pytest.importorskip("ipywidgets")
     panel = widgets.memory_calculator()
     grid, result = panel.children
     controls = {control.description: control for control in grid.children}
@@ -83,7 +82,6 @@ def test_fused_attention_drops_the_score_term():
 
 
 def test_the_panel_has_an_attention_control():
-    pytest.importorskip("ipywidgets")
     grid, result = widgets.memory_calculator(model="llama-3-8b").children
     controls = {control.description: control for control in grid.children}
     controls["sequence"].value = 8192

@@ -1,16 +1,22 @@
 """The batch scripts in slurm/, submitted unchanged to a real SLURM cluster (a controller and two emulated
 GPU nodes on this machine). The tests vary only what the scripts document as user settings: the number
-of ranks per node (CPUs here, not GPUs), the training arguments and the virtual environment."""
+of ranks per node (CPUs here, not GPUs), the training arguments and the virtual environment.
+
+Needs SLURM and munge, and root (the cluster edits /etc/hosts): without them the cluster's tests skip, and
+fail under CI=true, which installs SLURM and runs as root (tests/_skips.py)."""
 
 import json
+import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from _skips import require
 
 from scalebook.cluster import LocalCluster
 from scalebook.train.cli import run_local
@@ -49,8 +55,18 @@ def test_cluster_down_stops_every_daemon_it_started_and_removes_its_files(cluste
     assert cluster.run("sinfo", "-h", "-o", "%t %D").stdout.split() == ["idle", "2"]  # the shared one runs on
 
 
+def require_slurm() -> None:
+    """Skip (fail under CI=true) unless the daemons and clients LocalCluster.up() starts are installed and this
+    is root; up() itself raises ClusterError for either, which would be an error here, not a skip."""
+    missing = [d for d in ("slurmctld", "slurmd", "munged", "sbatch", "scontrol")
+               if not shutil.which(d) and not Path("/usr/sbin", d).exists()]  # fmt: skip
+    require(not missing, f"SLURM ({', '.join(missing)})", "apt-get install -y slurm-wlm munge")
+    require(os.geteuid() == 0, "root", "the local cluster starts daemons and edits /etc/hosts: run the tests as root")
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    require_slurm()
     # Ports away from the readers' `make cluster-up` defaults, so a running reader cluster does not clash.
     local = LocalCluster(tmp_path_factory.mktemp("slurm"), controller_port=16917, node_port=17101)
     with local:
