@@ -10,6 +10,8 @@ import functools
 import os
 
 import pytest
+import torch
+import transformers
 
 from scalebook import accounting, configs
 from scalebook.accounting import params
@@ -21,7 +23,8 @@ MOES = ["mixtral-8x7b", "deepseek-v3"]
 
 @pytest.fixture(scope="module")
 def hf():
-    return pytest.importorskip("torch"), pytest.importorskip("transformers")
+    """(torch, transformers): hard dependencies of the package, imported above (a failed import is an error)."""
+    return torch, transformers
 
 
 def hf_moe(hf, cfg, device="meta", **extra):
@@ -61,7 +64,6 @@ def routed_expert_params(model) -> int:
 @functools.cache
 def published_on_meta(name: str):
     """The published model ``name`` built by Hugging Face on the meta device, once per test session."""
-    torch, transformers = pytest.importorskip("torch"), pytest.importorskip("transformers")
     return hf_moe((torch, transformers), configs.get_model(name))
 
 
@@ -208,10 +210,18 @@ def test_moe_layers_refuse_the_single_layer_weight_count():
 
 
 def test_a_dense_model_is_all_active():
+    # Llama 3 70B by hand (h 8192, L 80, 64 query and 8 key/value heads of 128, d_ff 28672, V 128256, untied):
+    # a layer holds q and o (2 h^2 = 134,217,728), k and v (2 h 1024 = 16,777,216), the SwiGLU MLP
+    # (3 h d_ff = 704,643,072) and two RMSNorms (2 h = 16,384): 855,654,400; 80 layers 68,452,352,000; the embedding
+    # and the head 2 V h = 2,101,346,304; the final norm 8,192. N = 70,553,706,496, meta-llama/Meta-Llama-3-70B's
+    # "70.6B params". Every one of them is active, and training costs 6 N FLOPs per token.
+    n = 80 * (2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192) + 2 * 128_256 * 8192 + 8192
+    assert n == 70_553_706_496
     cfg = configs.get_model("llama-3-70b")
-    assert accounting.active_param_count(cfg) == accounting.param_count(cfg)
+    assert accounting.active_param_count(cfg) == accounting.param_count(cfg) == n
     assert "routed experts" not in accounting.param_breakdown(cfg)
-    assert accounting.flops_per_token(cfg) == 6 * accounting.param_count(cfg)
+    assert accounting.flops_per_token(cfg) == 6 * n
+    assert accounting.flops_per_token(cfg, recompute=True) == 8 * n  # the forward pass once more: 2 N
 
 
 def test_a_small_moe_built_here_matches_hf_without_latent_attention_queries(hf):
