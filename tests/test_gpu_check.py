@@ -1,5 +1,6 @@
 """``make gpu-check`` (bench/gpu_check.py): without CUDA it claims nothing and exits 0; its arithmetic (the device's
-peak, MFU, the accounting's bytes), its loss comparison and its result files are right, checked here on the CPU."""
+peak, MFU, the accounting's bytes), its loss and gradient-norm comparison (which catches a missing 1/d that the
+losses hide) and its result files are right, and its two throughput loops train alike, checked here on the CPU."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -66,24 +68,68 @@ def test_losses_agree_within_the_stated_tolerance_and_on_the_same_steps():
     assert not gpu_check.losses_agree(reference, {1: 5.0})
 
 
+def test_grad_norms_agree_within_the_stated_tolerance_and_on_the_same_steps():
+    reference = {1: 4.0, 2: 3.0}
+    assert gpu_check.grad_norms_agree(reference, {1: 4.0 * (1 + 0.9 * gpu_check.GRAD_NORM_RTOL), 2: 3.0})
+    assert not gpu_check.grad_norms_agree(reference, {1: 4.0 * (1 + 2 * gpu_check.GRAD_NORM_RTOL), 2: 3.0})
+    assert not gpu_check.grad_norms_agree(reference, {1: 4.0})
+
+
+def test_a_planted_factor_of_2_on_the_gradients_fails_the_check_though_the_losses_agree():
+    # Two ranks summing their gradients instead of averaging them: the gradient norm before clipping doubles on
+    # every step, while clipping at 1.0 (the norms are 2 to 9) hands AdamW the same direction, so the losses stay
+    # those of one process. The fabricated runs below are that case.
+    losses = {1: 5.55, 2: 5.31, 3: 5.02, 4: 4.80, 5: 4.61, 6: 4.43}
+    norms = {1: 8.7, 2: 6.1, 3: 4.4, 4: 3.2, 5: 2.6, 6: 2.1}
+    reference = SimpleNamespace(losses=losses, grad_norms=norms)
+    summed = SimpleNamespace(losses=dict(losses), grad_norms={s: 2 * n for s, n in norms.items()})
+    row = gpu_check.compare_with_reference(reference, summed)
+    assert gpu_check.losses_agree(reference.losses, summed.losses)
+    assert row["agree"] is False
+    assert row["note"] == "max rel. diff: loss 0.0e+00, grad norm 1.0e+00"
+    averaged = SimpleNamespace(losses=dict(losses), grad_norms={s: n * (1 + 1e-6) for s, n in norms.items()})
+    assert gpu_check.compare_with_reference(reference, averaged)["agree"] is True
+    # A run that stopped early does not agree, whichever list is short.
+    short = SimpleNamespace(losses={1: 5.55}, grad_norms={1: 8.7})
+    assert gpu_check.compare_with_reference(reference, short)["agree"] is False
+
+
 def test_results_are_written_as_json_and_a_markdown_table(tmp_path):
     predicted = {"states": 1, "activations": 2, "total": 9.87e9}
     row = {"loop": "plain loop", "compile": True, "tokens_per_second": 123456.7, "mfu": 0.4321,
            "peak_memory_bytes": 12_340_000_000, "predicted_bytes": predicted}  # fmt: skip
     results = {"date": "2026-11-25", "device": "NVIDIA H100 80GB HBM3", "gpus": 1, "torch": "2.11.0", "cuda": "13.0",
-               "strategies": {"single": {"ranks": 1, "agree": True, "note": "max rel. diff 0.0e+00"},
+               "strategies": {"single": {"ranks": 1, "agree": True,
+                                         "note": "max rel. diff: loss 0.0e+00, grad norm 0.0e+00"},
                               "tp": {"ranks": 2, "agree": None, "note": "needs 2 GPUs, this machine has 1"}},
-               "throughput": [row]}  # fmt: skip
+               "throughput": [row], "ratios": [{"compile": True, "ratio": 0.9876, "blocks": 6, "block": 5}],
+               }  # fmt: skip
     json_path, md_path = gpu_check.write_results(results, tmp_path)
     assert json_path == tmp_path / "2026-11-25-nvidia-h100-80gb-hbm3.json"
     assert json.loads(json_path.read_text()) == results
     table = md_path.read_text()
-    assert "| single | 1 | yes | max rel. diff 0.0e+00 |" in table
+    assert "losses (rtol 0.0001) and grad norms (rtol 0.001) equal one process" in table
+    assert "| single | 1 | yes | max rel. diff: loss 0.0e+00, grad norm 0.0e+00 |" in table
     assert "| tp | 2 | not run | needs 2 GPUs, this machine has 1 |" in table
     assert "| plain loop | True | 123,457 | 43.2% | 12.34 | 9.87 |" in table
+    assert "| True | 0.988 |" in table
 
 
-@pytest.mark.parametrize("loop", ["package_loop", "plain_loop"])
-def test_the_throughput_loops_run_a_small_gpt_on_the_cpu(loop):
-    """The two loops timed on a GPU run here too, on the book's tiny GPT and 4 steps: a positive tokens/s."""
-    assert getattr(gpu_check, loop)(2, 32, 4, False, size="tiny", device="cpu") > 0
+def test_the_two_throughput_loops_train_alike():
+    """Like for like: the package loop and the plain loop, on the same model, batch, AdamW, schedule and clipping,
+    take the same steps (the book's tiny GPT on the CPU, bf16 autocast as on the GPU)."""
+    losses = {}
+    for name, loop in (("package", gpu_check.package_steps), ("plain", gpu_check.plain_steps)):
+        raw, optimizer, steps = loop(2, 32, False, size="tiny", device="cpu")
+        assert optimizer.defaults["foreach"] is False and not optimizer.defaults["fused"]
+        losses[name] = [float(next(steps)) for _ in range(4)]
+    assert losses["package"] == pytest.approx(losses["plain"], rel=1e-5)
+    assert losses["package"][-1] < losses["package"][0]  # it learns, so the steps really differ
+
+
+def test_the_interleaved_throughput_runs_a_small_gpt_on_the_cpu():
+    """The measurement timed on a GPU runs here too: 2 blocks of 2 steps of each loop, a positive tokens/s."""
+    measured = gpu_check.interleaved_throughput(2, 32, 2, False, block=2, size="tiny", device="cpu")
+    assert set(measured) == {"package loop", "plain loop"}
+    for row in measured.values():
+        assert row["tokens_per_second"] > 0 and row["peak_memory_bytes"] is None
