@@ -30,14 +30,19 @@ book: $(STAMP)
 
 ## test: nbval over every notebook first, then unit and distributed tests, the book build (from the
 ## committed outputs, so nothing executes twice) and the browser checks
+## Two pytest-xdist workers (--dist loadgroup: a notebook, a module, the book's users and the SLURM users each
+## stay on one worker, tests/conftest.py); many tests wait on launches and subprocesses rather than compute.
+## Every test is bounded by pytest-timeout (pyproject.toml). XDIST="-n 0" runs them in one process.
+XDIST ?= -n 2 --dist loadgroup
 test: $(STAMP)
-	$(BIN)/python -m pytest notebooks tests --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+	$(BIN)/python -m pytest notebooks tests --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+		$(XDIST) --durations=25
 
 ## check: the fast lane (about 3 min on 2 cores): ruff, then the unit and small distributed tests; leaves out what
 ## tests/conftest.py marks slow (notebooks, the book build, the browser, SLURM, CLI runs, launches of 4+ ranks)
 check: $(STAMP)
 	$(BIN)/ruff check code tests bench book/_ext
-	$(BIN)/python -m pytest tests -m "not slow"
+	$(BIN)/python -m pytest tests -m "not slow" $(XDIST)
 
 ## notebooks: re-execute every chapter and save it with its outputs (commit the result)
 notebooks: $(STAMP)

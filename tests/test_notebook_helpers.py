@@ -18,6 +18,42 @@ def test_markdown_table_escapes_pipes():
     assert table.splitlines() == ["| x | y |", "|---|---|", "| a\\|b | 1 |"]
 
 
+def test_rounded_keeps_four_significant_digits_everywhere_in_a_value():
+    import numpy as np
+    import torch
+
+    # The two values the same cell produced on two CPUs (AVX-512 and another kernel set): equal once rounded.
+    assert notebook.rounded(3.7534787059275545) == notebook.rounded(3.7534787059275536) == 3.753
+    assert notebook.rounded(3.754) != notebook.rounded(3.753)  # a changed result still shows
+    assert notebook.rounded({"a": [1.234567e-7, np.float32(2 / 3)], "b": (torch.tensor(1 / 3), 7, "x")}) == {
+        "a": [1.235e-7, 0.6667], "b": (0.3333, 7, "x")}  # fmt: skip
+    assert repr(notebook.rounded(-0.0)) == "0.0" and notebook.rounded(True) is True
+    assert notebook.rounded(2.0 / 3, digits=2) == 0.67
+
+
+def test_markdown_table_shows_floats_rounded():
+    table = notebook.markdown_table([(1 / 3, 1e-7 / 3, "0.123456789")], ["a", "b", "c"]).data
+    assert table.splitlines()[2] == "| 0.3333 | 3.333e-08 | 0.123456789 |"  # strings are shown as written
+
+
+@pytest.mark.parametrize(
+    "error, tolerance, text",
+    [(0.0, 1e-5, "0"), (9.5e-7, 1e-5, "< 1e-05"), (1.9e-6, 1e-5, "< 1e-05"), (-3e-6, 1e-5, "< 1e-05"),
+     (0.34, 1e-4, "3.4e-01")],
+)  # fmt: skip
+def test_error_text_shows_a_rounding_error_by_its_tolerance_and_a_large_one_as_it_is(error, tolerance, text):
+    assert notebook.error_text(error, tolerance) == text
+
+
+def test_glue_keeps_the_exact_value_for_prose_and_shows_it_rounded(monkeypatch):
+    shown = {}
+    monkeypatch.setattr("myst_nb.glue", lambda name, value, display=True: shown.update({name: value}))
+    notebook.glue("x", 3.7534787059275545)
+    notebook.glue("err", 9.5e-7, below=1e-5)
+    assert notebook.glued.x == 3.7534787059275545 and shown["x"] == 3.753
+    assert notebook.glued.err == 9.5e-7 and shown["err"] == "< 1e-05"
+
+
 @pytest.mark.parametrize(
     "n, unit, text",
     [(700e9, "GB", "700 GB"), (2.8e12, "GB", "2,800 GB"), (3.37e6, "auto", "3.37 MB"), (12, "auto", "12 B")],

@@ -16,6 +16,7 @@ IPython's ``user_expressions`` in the execute request, https://jupyter-client.re
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import random
 import re
@@ -70,12 +71,44 @@ def show_source(obj, *, lines: tuple[int, int] | None = None):
     return Markdown(f"*From `{where}`:*\n\n```python\n{source.rstrip()}\n```")
 
 
-def markdown_table(rows, headers) -> object:
-    """A list of rows as a Markdown table (rendered by JupyterLab and by the book)."""
+#: Significant digits at which :func:`glue` and :func:`markdown_table` show a float (see :func:`rounded`).
+DIGITS = 4
+
+
+def rounded(value, digits: int = DIGITS):
+    """``value`` with every float in it rounded to ``digits`` significant digits (containers are walked).
+
+    What a chapter shows and nbval compares must not depend on the CPU: the last digits of a float differ between
+    kernels (AVX-512, AVX2, ARM) and thread counts, so the full ``repr`` of a float reproduces only on the machine
+    that wrote it. Four significant digits are more than the prose shows (it formats with ``.1f`` or ``.2f``,
+    mostly) and far above float64's, or a short float32 computation's, rounding differences, so a changed result
+    still fails the comparison. Ints, strings and bools are returned as they are; a NumPy or 0-d torch number
+    becomes a Python one; -0.0 becomes 0.0.
+    """
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}") + 0.0 if math.isfinite(value) else value
+    if isinstance(value, dict):
+        return {key: rounded(item, digits) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        items = [rounded(item, digits) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples too
+    item = getattr(value, "item", None)  # a NumPy scalar or a one-element tensor
+    if callable(item) and getattr(value, "ndim", None) == 0:
+        return rounded(item(), digits)
+    return value
+
+
+def markdown_table(rows, headers, *, digits: int = DIGITS) -> object:
+    """A list of rows as a Markdown table (rendered by JupyterLab and by the book); floats at ``digits``
+    significant digits (:func:`rounded`), everything else as ``str`` shows it."""
     from IPython.display import Markdown
 
     def cell(value):
-        return str(value).replace("|", "\\|")
+        value = rounded(value, digits)
+        text = f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|")
 
     lines = ["| " + " | ".join(cell(h) for h in headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
@@ -115,12 +148,32 @@ class Glued:
 glued = Glued()
 
 
-def glue(name: str, variable, display: bool = True):
-    """``myst_nb.glue`` (its output is what nbval compares) that also keeps the value for ``{eval}`` in prose."""
+def error_text(error: float, tolerance: float) -> str:
+    """A measured rounding error as any CPU shows it: ``"0"`` when exact, ``"< tolerance"`` below the tolerance,
+    else the error at two significant digits.
+
+    The digits of a rounding error (9.5e-07 here, 1.9e-06 on a machine with other kernels) are the machine's, not
+    the book's: what reproduces, and what the text claims, is that the error is below its tolerance. An error at
+    or above the tolerance (a bug a chapter plants on purpose, say) is large and shown as it is.
+    """
+    error = abs(float(error))
+    if error == 0:
+        return "0"
+    return f"< {tolerance:g}" if error < tolerance else f"{error:.1e}"
+
+
+def glue(name: str, variable, display: bool = True, *, digits: int = DIGITS, below: float | None = None):
+    """``myst_nb.glue`` that also keeps the value for ``{eval}`` in prose.
+
+    The prose formats the exact value (``glued.name``); the cell's output, which nbval compares with the committed
+    one, holds it at ``digits`` significant digits (:func:`rounded`), so that it reproduces on any CPU. A measured
+    rounding error is glued with ``below=tolerance``: its output is then :func:`error_text`'s.
+    """
     from myst_nb import glue as myst_glue
 
     setattr(glued, name, variable)
-    return myst_glue(name, variable, display=display)
+    shown = rounded(variable, digits) if below is None else error_text(variable, below)
+    return myst_glue(name, shown, display=display)
 
 
 def eval_expressions(markdown: str) -> list[str]:

@@ -88,10 +88,16 @@ class ParityReport:
         ]
 
     def __str__(self) -> str:
+        """One line a layout. A layout within the tolerance says so without its deviation's digits, which are
+        rounding and differ from one CPU to the next; a diverged one shows how far and where."""
         lines = [f"{self.quantity} parity against {self.reference!r}, relative tolerance {self.tolerance:g}:"]
-        for layout, deviation, step, first, verdict in self.rows():
-            diverges = "" if first == "-" else f", first exceeds the tolerance at step {first}"
-            lines.append(f"  {verdict:4}  {layout}: max deviation {deviation} at step {step}{diverges}")
+        for parity, (layout, deviation, step, first, verdict) in zip(self.layouts, self.rows(), strict=True):
+            if parity.passed:
+                exact = "identical" if parity.max_deviation == 0 else f"max deviation < {self.tolerance:g}"
+                lines.append(f"  {verdict:4}  {layout}: {exact} at every step")
+            else:
+                lines.append(f"  {verdict:4}  {layout}: max deviation {deviation} at step {step}, "
+                             f"first exceeds the tolerance at step {first}")  # fmt: skip
         return "\n".join(lines)
 
 
