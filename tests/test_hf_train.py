@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from scalebook.comm import processes
 from scalebook.hf_train import launch, launcher_env, load_blocks, write_accelerate_config
 
 TRAIN_ARGS = ["--steps", "10", "--seq-len", "32"]
@@ -106,10 +107,10 @@ def test_accelerate_on_cpu_without_mpirun_starts_one_process(tmp_path):
     script = tmp_path / "show_env.py"
     script.write_text("import json\nfrom scalebook.hf_train import launcher_env\n"
                       "print(json.dumps(launcher_env()), flush=True)\n")  # fmt: skip
-    result = subprocess.run(
+    result = processes.run(  # on a timeout, whatever accelerate started is killed too
         [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config),
          str(script)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120, name="accelerate launch",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     envs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -122,5 +123,6 @@ def test_a_launch_past_its_timeout_is_killed_with_a_clear_error(tmp_path):
     # must be killed, and the error must say which launcher and how long, with the end of its stderr.
     with pytest.raises(TimeoutError, match=r"torchrun did not finish in 2 s \(killed with its ranks\)"):
         launch("torchrun", ["--output-dir", str(tmp_path / "out"), *TRAIN_ARGS], timeout=2)
-    leftover = subprocess.run(["pgrep", "-f", f"scalebook.hf_train --output-dir {tmp_path}"], capture_output=True)
+    leftover = subprocess.run(["pgrep", "-f", f"scalebook.hf_train --output-dir {tmp_path}"], capture_output=True,
+                              timeout=30)
     assert leftover.returncode == 1, f"ranks still running: {leftover.stdout!r}"

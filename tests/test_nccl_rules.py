@@ -2,14 +2,13 @@
 and passes the patterns NCCL runs (a batch_isend_irecv ring, collectives issued alike everywhere)."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from scalebook.comm import LaunchError, launch
+from scalebook.comm import LaunchError, launch, processes
 from scalebook.comm.nccl_rules import ENV_VAR, Call, Transfer, check
 
 # --- the pure checker, on hand-written call lists -------------------------------------------------------------
@@ -205,7 +204,8 @@ def test_a_torchrun_job_fails_at_destroy_process_group(tmp_path):
     script = tmp_path / "misordered.py"
     script.write_text(TORCHRUN_SCRIPT)
     env = {**os.environ, ENV_VAR: "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(script)], env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    # processes.run, not subprocess.run: on a timeout torchrun's ranks (sessions of their own) are killed too.
+    run = processes.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                         str(script)], env=env, timeout=240, name="torchrun")  # fmt: skip
     assert run.returncode != 0
     assert "NcclRuleError: message #0 from rank 0 to rank 1: rank 0's call #0 sends 4 float32" in run.stderr
