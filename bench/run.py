@@ -303,6 +303,8 @@ def newest_results(folder: Path = RESULTS) -> Path:
 
 
 def _cell(value) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
+        value = int(value)  # a byte count that went through a float
     text = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
     return text.replace("|", "\\|")
 
@@ -312,14 +314,17 @@ def render_markdown(results: dict, name: str) -> str:
     m = results["machine"]
     load = f"{m['load_before'][0]:g} before the run and {m['load_after'][0]:g} after it" if m["load_after"] else (
         f"{m['load_before'][0]:g} before the run")  # fmt: skip
+    runs = results.get("runs", [])
+    how = " and ".join(f"`{' '.join(['python bench/run.py', *run['argv']])}`" for run in runs)
     lines = [
-        f"Measured {m['date']} by `make bench` (`bench/results/{name}`, which holds every entry's setup and the "
-        f"load before and after each): {m['cpu']} ({m['cpu_capability']}), {m['cores']} cores, Python "
+        f"Measured {m['date']} by {how or '`make bench`'} (`bench/results/{name}` holds every entry's setup and "
+        f"the load before and after it): {m['cpu']} ({m['cpu_capability']}), {m['cores']} cores, Python "
         f"{m['python']}, torch {m['torch']}, transformers {m['transformers']}; torch threads "
         f"{m['torch_threads']} in the main process, 1 per rank in the distributed entries (gloo). 1-minute load "
-        f"average {load}: the machine is shared, so a ratio moves by some 10-20 % from run to run. Each entry "
-        "times ours and the reference interleaved in the same run; ratio = ours / reference (for tokens/s and "
-        "MB/s, above 1 means ours is faster; for ms and bytes, below 1 means ours is faster or smaller).",
+        f"average {load}: the machine is shared with other jobs, so ratios move from run to run; measure again "
+        "before citing a small difference. Each entry times ours and the reference interleaved in the same run; "
+        "ratio = ours / reference (for tokens/s and MB/s, above 1 means ours is faster; for ms and bytes, below "
+        "1 means ours is faster or smaller).",
         "",
     ]
     ratios = [e for e in results["entries"] if not is_budget(e)]
