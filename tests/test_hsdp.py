@@ -81,16 +81,25 @@ def test_hsdp_holds_the_stage3_bytes_of_one_nodes_shard_group(hsdp):
             formula.params, formula.grads, formula.optimizer)  # fmt: skip
 
 
-def test_hsdp_sends_inside_and_across_nodes_the_bytes_of_the_two_level_formula(hsdp):
-    # Inside a node: the all-gathers and the reduce-scatter on the shard group; across: the all-reduce of the
-    # gradient shard on the replicate group (its only collective). count_traffic charges each call the ring's bytes.
-    formula = zero3_bytes_per_node(PSI, NODES, GPUS_PER_NODE, hybrid=True, grad_bytes=4, param_bytes=4)
-    assert _node_sums(hsdp, ["all_gather_single", "reduce_scatter_single"]) == [formula["intra_node"]] * NODES
-    assert _node_sums(hsdp, ["all_reduce"]) == [formula["inter_node"]] * NODES
+def test_hsdp_sends_inside_and_across_nodes_the_ring_bytes_of_its_messages(hsdp):
+    # Measured: the calls and their message sizes. Modelled: the bytes, since a library collective's sends are
+    # hidden and count_traffic charges each call the ring's (d - 1) / d M (all-gather, reduce-scatter) or
+    # 2 (d - 1) / d M (all-reduce) over its group of d. Written out for one node of g = 2 ranks, fp32:
+    #   inside: per rank two all-gathers of 4 Psi and one reduce-scatter of 4 Psi over g: 3 (g - 1) / g 4 Psi = 6 Psi;
+    #   across: per rank the all-reduce of its 4 Psi / g gradient shard over the N = 2 nodes: 2 (N - 1) / N 2 Psi.
+    g, n = GPUS_PER_NODE, NODES
+    intra_per_rank = 3 * (g - 1) / g * 4 * PSI
+    inter_per_rank = 2 * (n - 1) / n * 4 * PSI / g
+    assert (intra_per_rank, inter_per_rank) == (6 * PSI, 2 * PSI)
+    assert _node_sums(hsdp, ["all_gather_single", "reduce_scatter_single"]) == [g * intra_per_rank] * NODES
+    assert _node_sums(hsdp, ["all_reduce"]) == [g * inter_per_rank] * NODES
     for rank in hsdp:
         assert rank["messages"] == {"all_gather_single": 2 * 4 * PSI, "reduce_scatter_single": 4 * PSI,
                                     "all_reduce": 4 * PSI // GPUS_PER_NODE}  # fmt: skip
         assert rank["traffic"] == rank["fsdp2_traffic"]
+    # accounting's two-level formula says the same per node.
+    formula = zero3_bytes_per_node(PSI, NODES, GPUS_PER_NODE, hybrid=True, grad_bytes=4, param_bytes=4)
+    assert (formula["intra_node"], formula["inter_node"]) == (g * intra_per_rank, g * inter_per_rank)
 
 
 def test_full_sharding_ring_sends_one_ranks_bytes_per_node_across_nodes(hsdp):

@@ -14,7 +14,6 @@ import torch.utils.checkpoint
 from torch import nn
 
 from scalebook import accounting, data
-from scalebook.accounting.comm import data_parallel_bytes_per_step
 from scalebook.comm import count_traffic, launch
 from scalebook.experiments import zero as zero_runs
 from scalebook.model import GPT, GPTConfig
@@ -447,17 +446,32 @@ def test_held_bytes_equal_model_state_bytes(ranks, stage):
         assert (held.params, held.grads, held.optimizer) == (formula.params, formula.grads, formula.optimizer)
 
 
+# The ring algorithm's bytes per rank for one call on an M-byte message over d ranks, written out here (not
+# accounting.comm's): an all-reduce sends 2 (d - 1) / d M, an all-gather or a reduce-scatter (d - 1) / d M.
+RING_FACTOR = {"all_reduce": 2, "all_gather_single": 1, "reduce_scatter_single": 1}
+
+
 @pytest.mark.parametrize("stage", zero_runs.STAGES)
 def test_messages_are_one_reduction_and_the_stages_all_gathers_of_every_element(ranks, stage):
-    psi = GPT(TINY).num_parameters()
+    # Measured: the calls and their message sizes. Modelled: the bytes a library collective sends (its sends are
+    # hidden from count_traffic, which charges each call the ring's bytes); the charge is checked against the
+    # ring formula applied here to every recorded message, and against the per-step total by hand.
+    psi, d = GPT(TINY).num_parameters(), 2
     reduction = "all_reduce" if stage == 0 else "reduce_scatter_single"
     gathers = {0: 0, 1: 1, 2: 1, 3: 2}[stage]  # stage 2 gathers the updated shards in the next forward
     expected = {reduction: 4 * psi} | ({"all_gather_single": gathers * 4 * psi} if gathers else {})
+    # By hand, fp32 at d = 2: DDP's all-reduce 2 (1/2) 4 Psi; ZeRO-1/2 a reduce-scatter and an all-gather of
+    # (1/2) 4 Psi each; ZeRO-3 one reduce-scatter and two all-gathers.
+    by_hand = {0: 4 * psi, 1: 4 * psi, 2: 4 * psi, 3: 6 * psi}[stage]
     for rank in ranks:
-        assert rank["bytes"][stage]["messages"] == expected
-        # count_traffic charges each call the ring algorithm's bytes: this checks the calls and their sizes.
-        sent = sum(b for _, b in rank["bytes"][stage]["traffic"].values())
-        assert sent == data_parallel_bytes_per_step(psi, 2, zero_stage=stage)
+        run = rank["bytes"][stage]
+        assert run["messages"] == expected
+        ring = {op: 0.0 for op in run["traffic"]}
+        for op, message in run["calls"]:
+            ring[op] += RING_FACTOR[op] * (d - 1) / d * message
+        # rel 1e-12: the same per-call products, summed in the same order, but computed with other roundings
+        assert {op: b for op, (_, b) in run["traffic"].items()} == pytest.approx(ring, rel=1e-12)
+        assert sum(ring.values()) == pytest.approx(by_hand, rel=1e-12)
 
 
 def test_fsdp2_sends_and_holds_exactly_our_stage3_bytes(ranks):
@@ -486,17 +500,31 @@ def test_zero_paper_figure1_numbers():
         assert round(total / 1e9, 1) == pytest.approx(gb)
 
 
-def test_int8_blockwise_quantization_matches_torch_fake_quantize():
+@pytest.mark.parametrize("numel", [1000, 1050])  # whole blocks, and a last block of 50 padded with zeros
+def test_int8_blockwise_quantization_matches_torch_fake_quantize(numel):
+    # ZeRO++'s symmetric int8 code, one scale per block of 100: s = max |x| / 127 (the largest value of a block
+    # maps to +-127), q = round(x / s). The scales are computed here, not taken from the code, and torch's own
+    # fake_quantize (per channel = per block, zero point 0, range [-128, 127]) gives the dequantized values.
     torch.manual_seed(0)
-    x = torch.randn(1000) * 0.02
+    x = torch.randn(numel) * 0.02
     x[300:400] = 0.0  # an all-zero block must not divide by zero
-    q, scales = zero.quantize_int8_blockwise(x, block=100)
+    blocks = F.pad(x, (0, -numel % 100)).view(-1, 100)
+    scales = blocks.abs().amax(dim=1) / 127
+    q, got_scales = zero.quantize_int8_blockwise(x, block=100)
+    assert q.dtype == torch.int8 and got_scales.dtype == torch.float32
+    # Exact: the same max and one division by 127 in float32.
+    assert torch.equal(got_scales, scales)
+    assert got_scales[3] == 0 and torch.equal(q.view(-1, 100)[3], torch.zeros(100, dtype=torch.int8))
+    nonzero = scales > 0
+    codes = torch.round(blocks[nonzero] / scales[nonzero, None])
+    assert codes.abs().max() == 127  # each block's largest value uses the whole range
+    assert torch.equal(q.view(-1, 100)[nonzero].float(), codes)
     reference = torch.fake_quantize_per_channel_affine(
-        x.view(10, 100), scales, torch.zeros(10, dtype=torch.int32), 0, -128, 127
+        blocks, scales, torch.zeros(len(scales), dtype=torch.int32), 0, -128, 127
     )
-    assert q.dtype == torch.int8 and scales.shape == (10,)
-    assert torch.equal(zero.dequantize_int8_blockwise(q, scales), reference.view(-1))
-    assert (zero.dequantize_int8_blockwise(q, scales) - x).abs().max() <= scales.max() / 2
+    # Exact: q * s in float32 on both sides.
+    assert torch.equal(zero.dequantize_int8_blockwise(q, got_scales), reference.view(-1))
+    assert (zero.dequantize_int8_blockwise(q, got_scales)[:numel] - x).abs().max() <= scales.max() / 2
 
 
 def test_record_timeline_refuses_a_module_that_is_not_sharded():
