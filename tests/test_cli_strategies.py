@@ -13,9 +13,13 @@ import argparse
 import pytest
 import torch
 import torch.distributed as dist
+from test_train import plain_pytorch_training
 
+from scalebook import data
 from scalebook.comm import free_port, launch
+from scalebook.model import GPT
 from scalebook.train import checkpoint, cli
+from scalebook.train.preflight import model_config
 
 # One micro-batch of one sequence: the single process accumulates 4 micro-batches per step, each of two
 # replicas 2, so gradient accumulation (no_sync, ZeRO-2/3's sum of reduce-scattered shards) is used; the
@@ -135,6 +139,32 @@ def assert_is_one_process(run: dict, reference: tuple[list, dict], world_size: i
         # scale-free, though: an element whose gradient is near zero turns rounding into a different step, a
         # fraction of lr = 3e-3 (measured at most 1.5e-5, in one element of 65,536 under ring attention).
         torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=5e-5, msg=name)
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_the_one_process_reference_is_a_plain_pytorch_loop(single, name):
+    """The reference every layout is compared with (the CLI on one process, through ParallelModel and the book's
+    loop) against plain PyTorch on the same model, weights and data: torch.optim.AdamW, the step's 4 sequences as
+    4 micro-batches of 1 (for the mixture of experts; one forward of 4 for the dense GPT), and
+    torch.nn.utils.clip_grad_norm_ (tests/test_train.py's plain_pytorch_training). Losses and gradient norms before
+    clipping to float32 rounding, as assert_is_one_process: rel 1e-6 and 1e-5."""
+    extra = {"dense": [], "moe": MOE}[name]
+    args = args_of([*SMALL, *extra])
+    torch.manual_seed(args.seed)
+    model = GPT(model_config(args))  # the CLI's --model and --moe-experts: the model, not the loop
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the reference ran
+    try:
+        reference = plain_pytorch_training(model, data.load_tokens(None), steps=6, batch_size=4, seq_len=32,
+                                           micro_batches=4 if extra else 1, warmup_steps=args.warmup_steps,
+                                           lr=args.lr, min_lr=args.min_lr, seed=args.seed)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    ours = single[name][0]
+    assert len(ours) == len(reference) == 6
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, reference, strict=True)):
+        assert norm == pytest.approx(ref_norm, rel=1e-5), ("grad norm", step + 1)
+        assert loss == pytest.approx(ref_loss, rel=1e-6), ("loss", step + 1)
 
 
 @pytest.mark.parametrize("layout", WRAPPERS)
