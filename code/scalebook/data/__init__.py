@@ -3,8 +3,11 @@
 The default corpus is embedded in Python itself: ``pydoc_data.topics``, the 465 KB of English that
 ``help()`` prints (the language reference's topics). It needs no download, so every chapter runs offline.
 Any text file or folder of ``.txt``/``.md``/``.rst`` files can replace it: :func:`read_corpus` turns it into byte
-tokens byte for byte (text that is not UTF-8, Latin-1 say, trains on its exact bytes) and refuses binary input with
-one message; :func:`check_corpus` runs the same checks, and the size check, before any rank starts.
+tokens and refuses binary input with one message; :func:`check_corpus` runs the same checks, and the size check,
+before any rank starts. Its ``encoding`` says how the bytes are text: ``"bytes"`` (the functions' default) trains
+on the exact bytes, whatever they encode; a codec name (``"utf-8"``, the training command's default, or
+``"latin-1"``...) decodes each file strictly, refusing the first byte that is not valid in it (naming the file and
+the byte's offset), and trains on the UTF-8 bytes of the text, as the embedded corpus.
 
 A corpus too large to hold in memory is tokenized once, ahead of training, into memory-mapped token shards:
 ``python -m scalebook.data prepare INPUT --tokenizer {bytes | BPE.json | HF_DIR} --out DIR``
@@ -23,6 +26,7 @@ Source: Radford et al. 2019 (GPT-2) for the language-modelling objective.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import os
 from collections.abc import Iterator
@@ -73,15 +77,51 @@ def corpus_files(path: Path) -> list[Path]:
     raise ValueError(f"data path {path} does not exist; {_NO_DATA_HINT}")
 
 
-def _text_bytes(file: Path) -> bytes:
-    """A file's bytes, refused if unreadable or binary (the rule of :func:`corpus_bytes`)."""
+def _text_bytes(file: Path, encoding: str = "bytes") -> bytes:
+    """A file's bytes, refused if unreadable or binary (the rule of :func:`corpus_bytes`), decoded by
+    :func:`decode_text`."""
     try:
         raw = file.read_bytes()
     except OSError as err:
         raise ValueError(
             f"cannot read data file {file} ({err.strerror}); make it readable or {_NO_DATA_HINT}"
         ) from None
-    return check_text(raw, file)
+    return decode_text(check_text(raw, file), file, encoding)
+
+
+def check_encoding(encoding: str) -> str:
+    """``encoding`` if it is ``"bytes"`` or a codec Python knows (``"latin-1"``, ``"cp1252"``...), else a ValueError."""
+    if encoding != "bytes":
+        try:
+            codecs.lookup(encoding)
+        except LookupError:
+            raise ValueError(
+                f"--encoding {encoding} is not an encoding Python knows; give utf-8, latin-1, cp1252 (any of "
+                "Python's codecs), or bytes to train on a file's exact bytes"
+            ) from None
+    return encoding
+
+
+def codec_name(encoding: str) -> str:
+    """The canonical name of a valid ``encoding`` (``"UTF8"`` and ``"utf_8"`` are ``"utf-8"``), or ``"bytes"``."""
+    return encoding if encoding == "bytes" else codecs.lookup(encoding).name
+
+
+def decode_text(raw: bytes, file: str | os.PathLike, encoding: str = "bytes") -> bytes:
+    """The bytes the byte tokenizer trains on for ``raw``, the content of ``file``: ``raw`` itself for ``"bytes"``;
+    else the UTF-8 bytes of ``raw`` decoded strictly from ``encoding``, a ValueError naming the file, the offset
+    of its first byte that is not valid there, and the way out (``--encoding``)."""
+    if check_encoding(encoding) == "bytes":
+        return raw
+    try:
+        text = raw.decode(encoding)  # strict: nothing replaced, nothing dropped
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"data file {file} is not valid {encoding}: byte 0x{raw[err.start]:02X} at offset {err.start:,} "
+            f"({err.reason}); if the file is in another encoding, name it: --encoding latin-1 (or cp1252, ...), "
+            "or --encoding bytes to train on its exact bytes"
+        ) from None
+    return raw if codec_name(encoding) == "utf-8" else text.encode("utf-8")
 
 
 def check_text(raw: bytes, file: str | os.PathLike) -> bytes:
@@ -97,8 +137,14 @@ def check_text(raw: bytes, file: str | os.PathLike) -> bytes:
     return raw
 
 
-def corpus_bytes(path: str | os.PathLike | None = None) -> bytes:
-    """The corpus at ``path`` as the exact bytes the byte tokenizer trains on (a folder's files joined by a blank line).
+def describe(path: str | os.PathLike | None) -> str:
+    """How messages name ``--data``: ``data path PATH``, or ``the embedded corpus`` for ``None``."""
+    return "the embedded corpus" if path is None else f"data path {path}"
+
+
+def corpus_bytes(path: str | os.PathLike | None = None, encoding: str = "bytes") -> bytes:
+    """The corpus at ``path`` as the bytes the byte tokenizer trains on (a folder's files joined by a blank line),
+    each file decoded from ``encoding`` by :func:`decode_text` (``"bytes"``: its exact bytes).
 
     ``None`` is the embedded corpus in UTF-8. Raises one ValueError naming the path (or the folder's file) and what to
     change when it is missing, unreadable, a folder without text files, binary or empty.
@@ -106,27 +152,28 @@ def corpus_bytes(path: str | os.PathLike | None = None) -> bytes:
     Binary means a NUL byte anywhere (UTF-16 text has them too), or more than ``MAX_CONTROL_SHARE`` (1 %) of the bytes
     are control codes that no text encoding uses for text (0x01-0x08, 0x0E-0x1A, 0x1C-0x1F, 0x7F). Bytes that are not
     valid UTF-8 are kept: each is a letter or sign in some single-byte encoding (Latin-1, Windows-1252...), and the
-    byte tokenizer trains on them unchanged.
+    byte tokenizer trains on them unchanged with ``encoding="bytes"``; any other ``encoding`` refuses them.
     """
     if path is None:
         return default_corpus().encode("utf-8")
     path = Path(path)
-    raw = b"\n\n".join(_text_bytes(file) for file in corpus_files(path))
+    raw = b"\n\n".join(_text_bytes(file, encoding) for file in corpus_files(path))
     if not raw:
         raise ValueError(f"data path {path} is empty; {_NO_DATA_HINT}")
     return raw
 
 
-def read_corpus(path: str | os.PathLike | None = None) -> torch.Tensor:
-    """The corpus at ``path`` as byte-tokenizer ids (1-D int64), byte for byte: text that is not UTF-8 (Latin-1 "é"
-    is byte 0xE9) becomes token 233, nothing is replaced. ``None`` gives ``tokenize(default_corpus())``."""
-    return torch.frombuffer(bytearray(corpus_bytes(path)), dtype=torch.uint8).long()
+def read_corpus(path: str | os.PathLike | None = None, encoding: str = "bytes") -> torch.Tensor:
+    """The corpus at ``path`` as byte-tokenizer ids (1-D int64). By default byte for byte: text that is not UTF-8
+    (Latin-1 "é" is byte 0xE9) becomes token 233, nothing is replaced; with an ``encoding`` each file is decoded
+    strictly (:func:`decode_text`). ``None`` gives ``tokenize(default_corpus())``."""
+    return torch.frombuffer(bytearray(corpus_bytes(path, encoding)), dtype=torch.uint8).long()
 
 
-def load_tokens(path: str | os.PathLike | None = None) -> torch.Tensor | TokenShards:
+def load_tokens(path: str | os.PathLike | None = None, encoding: str = "bytes") -> torch.Tensor | TokenShards:
     """The training tokens ``--data`` names: a prepared folder's ``train`` split memory-mapped
     (:class:`~scalebook.data.shards.TokenShards`, nothing read yet), else :func:`read_corpus` of the text."""
-    return TokenShards(path, "train") if is_prepared(path) else read_corpus(path)
+    return TokenShards(path, "train") if is_prepared(path) else read_corpus(path, encoding)
 
 
 def tokenizer_id(path: str | os.PathLike | None = None) -> str:
@@ -135,10 +182,12 @@ def tokenizer_id(path: str | os.PathLike | None = None) -> str:
     return TokenShards(path).tokenizer["id"] if is_prepared(path) else BYTES_TOKENIZER_ID
 
 
-def check_corpus(path: str | os.PathLike | None, min_tokens: int, vocab_size: int | None = None) -> None:
-    """Raise one ValueError naming what to change unless ``path`` is a readable text corpus, or an intact prepared
-    folder (index present, every shard of its size), of at least ``min_tokens`` tokens whose ids fit a model of
-    ``vocab_size`` tokens; the check a launcher runs before any rank starts work."""
+def check_corpus(
+    path: str | os.PathLike | None, min_tokens: int, vocab_size: int | None = None, encoding: str = "bytes"
+) -> None:
+    """Raise one ValueError naming what to change unless ``path`` is a readable text corpus (valid in ``encoding``),
+    or an intact prepared folder (index present, every shard of its size), of at least ``min_tokens`` tokens whose
+    ids fit a model of ``vocab_size`` tokens; the check a launcher runs before any rank starts work."""
     if is_prepared(path):
         shards = TokenShards(path, "train")
         n_tokens = len(shards)
@@ -150,10 +199,10 @@ def check_corpus(path: str | os.PathLike | None, min_tokens: int, vocab_size: in
                 "vocabulary holds them, or prepare with a smaller tokenizer (--tokenizer bytes for 256)"
             )
     else:
-        n_tokens, kind = len(corpus_bytes(path)), "byte tokens"
+        n_tokens, kind = len(corpus_bytes(path, encoding)), "byte tokens"
     if n_tokens < min_tokens:
         raise ValueError(
-            f"data path {path} has {n_tokens:,} {kind}, fewer than the {min_tokens:,} this run needs; "
+            f"{describe(path)} has {n_tokens:,} {kind}, fewer than the {min_tokens:,} this run needs; "
             "give more text, or a shorter --seq-len"
         )
 
