@@ -162,6 +162,29 @@ def _steps(root: str | os.PathLike) -> list[int]:
     return sorted((int(m.group(1)) for p in Path(root).iterdir() if (m := _STEP_DIR.fullmatch(p.name))), reverse=True)
 
 
+def held(root: str | os.PathLike) -> str:
+    """What under ``root`` is a checkpoint of some run (``latest``, step folders), said in a few words; "" if none."""
+    root = Path(root)
+    if not root.is_dir():
+        return ""
+    steps = _steps(root)
+    found = (["latest"] if (root / "latest").exists() else []) + [step_dir(root, s).name for s in steps[:2]]
+    return ", ".join(found) + (f" and {len(steps) - 2} more" if len(steps) > 2 else "")
+
+
+def clear(root: str | os.PathLike) -> list[str]:
+    """Delete the checkpoints under ``root`` (``latest`` first, then every step folder), nothing else; their names.
+    What ``--overwrite`` does before a fresh run saves there (call on one rank)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    (root / "latest").unlink(missing_ok=True)  # first: a run killed meanwhile never resumes a half-deleted one
+    doomed = [step_dir(root, s) for s in _steps(root)]
+    for folder in doomed:
+        shutil.rmtree(folder)
+    return ["latest", *(f.name for f in doomed)]
+
+
 def newest_intact(root: str | os.PathLike) -> tuple[int | None, list[str]]:
     """The newest checkpoint at or before ``latest`` whose files all match their manifest (None if none), and
     why each newer one was passed over. Deterministic, so every rank that calls it picks the same step."""
