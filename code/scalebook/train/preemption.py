@@ -1,4 +1,5 @@
-"""Stopping a training run cleanly when the cluster asks: SIGTERM or SIGUSR1 -> finish the step, save, exit.
+"""Stopping a training run cleanly when the cluster or the user asks: SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) -> finish
+the step, save, exit.
 
 A SLURM job learns that it must go in two ways. At a preemption, a ``scancel`` or the time limit, SLURM sends
 SIGTERM to every process of the job and SIGKILL ``KillWait`` seconds later (30 s by default); with
@@ -19,6 +20,13 @@ raises :class:`Stopped`, a ``SystemExit`` with code ``EXIT_STOPPED``: the proces
 and no traceback, after the ``finally`` clauses that leave the process group. The status means "stopped
 early, not failed": ``--resume`` continues from the checkpoint, with the losses the run would have had.
 
+Ctrl-C (SIGINT) is the user's "stop": Python's default raises KeyboardInterrupt wherever the main thread is, a
+traceback and the steps since the last checkpoint lost. While the loop runs it is handled as the cluster's signals
+are, with the shell's code for it, ``EXIT_INTERRUPTED`` (130 = 128 + 2); the first one also gives SIGINT back its
+system default, so that a second Ctrl-C ends the process at once, without saving, even inside a collective that
+never returns. Outside the loop (starting, finishing) ``python -m scalebook.train`` exits 130 at once, without a
+traceback: nothing is in progress there. ``torchrun`` forwards a Ctrl-C to every rank as one SIGINT.
+
 Under ``torchrun``, the launcher must survive the signal and pass it on: torchrun handles SIGTERM by forwarding
 it to the ranks and waiting ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (30 by default) before killing them, but
 SIGUSR1 kills it unless ``TORCHELASTIC_SIGNALS_TO_HANDLE`` lists it; the scripts in ``slurm/`` set both.
@@ -29,24 +37,31 @@ Source: SLURM documentation, "sbatch --signal", "scontrol requeue" and "Preempti
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["EXIT_STOPPED", "STOP_SIGNALS", "StopSignals", "Stopped"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_STOPPED", "STOP_SIGNALS", "StopSignals", "Stopped"]
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EXIT_STOPPED = 3  # 0 done, 1 failed or diverged, 2 invalid arguments (see ``python -m scalebook.train --help``)
+EXIT_INTERRUPTED = 130  # stopped by Ctrl-C: 128 + SIGINT, what a shell reports for a process that Ctrl-C ended
+
+
+def rank_zero() -> bool:
+    """Whether this process is rank 0 by its launcher's variables (torchrun's, SLURM's), or the only one."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 class Stopped(SystemExit):
     """The run stopped at ``step`` on ``signal_name``, saved in ``checkpoint_dir`` (None: not saved); a SystemExit
-    with ``EXIT_STOPPED``. Its text is the line rank 0 prints."""
+    with ``EXIT_INTERRUPTED`` for SIGINT, else ``EXIT_STOPPED``. Its text is the line rank 0 prints."""
 
     def __init__(self, signal_name: str, step: int, checkpoint_dir: str | None):
-        super().__init__(EXIT_STOPPED)
+        super().__init__(EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_STOPPED)
         self.signal_name, self.step, self.checkpoint_dir = signal_name, step, checkpoint_dir
 
     def __str__(self) -> str:
@@ -60,7 +75,9 @@ class Stopped(SystemExit):
 class StopSignals:
     """While active (``with StopSignals(device) as stop:``), ``STOP_SIGNALS`` set a flag instead of ending the
     process; :meth:`agreed` tells every rank, at the same step, whether any of them received one. The previous
-    handlers come back on exit. Off the main thread (where Python allows no handler) it installs nothing."""
+    handlers come back on exit, but after a SIGINT, SIGINT's default stays (a second Ctrl-C ends the process).
+    Off the main thread (where Python allows no handler) it installs nothing; an ignored SIGINT (``nohup``, a
+    background job) stays ignored."""
 
     def __init__(self, device: torch.device | str = "cpu", signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
         self.device, self.signals = torch.device(device), tuple(signals)
@@ -68,16 +85,23 @@ class StopSignals:
         self._previous: dict[signal.Signals, object] = {}
 
     def _handler(self, signum: int, frame) -> None:
-        self.received = signal.Signals(signum)  # nothing else: see the module docstring
+        self.received = self.received or signal.Signals(signum)  # a flag, nothing more: see the module docstring
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C: the system ends the process at once
+            if rank_zero():  # os.write: safe even if the main thread was inside a write to stderr
+                os.write(2, b"\nCtrl-C: the step in progress ends, then the run saves and stops; Ctrl-C again "
+                            b"stops at once, without saving\n")  # fmt: skip
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handler) for sig in self.signals}
+            keep = {signal.SIGINT} if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else set()
+            self._previous = {sig: signal.signal(sig, self._handler) for sig in self.signals if sig not in keep}
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            if not (sig == signal.SIGINT == self.received):  # after a Ctrl-C, a second one still ends the process
+                signal.signal(sig, handler)
         self._previous = {}
 
     def agreed(self) -> str | None:
