@@ -31,8 +31,8 @@ the run saves every ``--checkpoint-every`` steps (atomically, with a manifest of
 the newest intact checkpoint, bit-identically on CPU in the layout that wrote it, and in any other layout or
 number of ranks (the checkpoint is resharded) to float32 rounding.
 
-Failing loudly. :mod:`scalebook.train.preflight` checks the arguments, the layout, the paths, the data and
-a resume's checkpoint on every rank before any of them starts work; an error is printed once, by rank 0,
+Failing loudly. :mod:`scalebook.train.preflight` checks the arguments, the layout, the paths, the data, the
+memory and a resume's checkpoint on every rank before any starts work; an error is printed once, by rank 0,
 and every rank exits with code 2. A step whose loss or gradient norm is not finite never updates the
 weights, and stops the run (exit code 1, naming the last good checkpoint) unless ``--skip-nonfinite``
 allows skipping it; a checkpoint is saved only of finite weights, so ``latest`` never points at a
@@ -51,10 +51,12 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from scalebook.train import checkpoint
 from scalebook.train.checkpoint import RunCheckpoints
 from scalebook.train.preflight import STRATEGIES, Plan, layout, model_config, preflight
 
@@ -69,13 +71,16 @@ class TrainingDiverged(RuntimeError):
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but an error is reported once in a distributed run: rank 0 prints it, without the usage text
-    (``--help`` has it), and every rank exits with argparse's code 2."""
+    (``--help`` has it), and every rank exits with argparse's code 2 (no traceback: torchrun's report of the exit
+    codes follows, which no rank can silence, so rank 0 says what it is)."""
 
     def error(self, message: str):
         from scalebook.comm import detect_env
 
+        torchrun = ("\n(torchrun's report below only says that the ranks exited with code 2; --check-only WORLD_SIZE "
+                    "runs these checks without torchrun)") if "TORCHELASTIC_RUN_ID" in os.environ else ""  # fmt: skip
         if detect_env().rank == 0:
-            self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")
+            self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help){torchrun}\n")
         self.exit(2)
 
 
@@ -85,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the book's GPT in any parallel layout, on CPUs (gloo) or GPUs (NCCL). "
         "Run directly for one process, or under torchrun / srun for several ranks. Every argument, path, the "
         "data and a --resume's checkpoint are checked before any rank starts work. Exit codes: 0 done (or "
-        "nothing to do), 1 the run failed or diverged, 2 invalid arguments, 3 stopped by SIGTERM or SIGUSR1 "
-        "(saved: --resume continues).",
+        "nothing to do), 1 the run failed or diverged, 2 invalid arguments, 3 stopped by SIGTERM or SIGUSR1, 130 "
+        "stopped by Ctrl-C (SIGINT): the step in progress ends and the run saves (--resume continues); a second "
+        "Ctrl-C stops at once, without saving.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("layout (dp x tp x pp x cp = the number of ranks)")
@@ -149,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a text file or folder, or a folder of token shards written by `python -m scalebook.data prepare` "
         "(memory-mapped; default: the embedded corpus)",
     )
+    g.add_argument(
+        "--encoding",
+        default="utf-8",
+        help="how a text --data is decoded, strictly: a byte that is not valid stops the run before it starts, "
+        "naming the file and the byte's offset; latin-1, cp1252 or any Python codec is decoded and trained on as "
+        "UTF-8, and bytes trains on the files' exact bytes, whatever they encode",
+    )
     g = p.add_argument_group("batch and schedule")
     g.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward on one rank")
     g.add_argument(
@@ -200,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--global-batch, --seed and --data must equal the checkpoint's; the layout and the number of ranks may "
         "change (the checkpoint is resharded); with no checkpoint yet, start at step 0",
     )
+    g.add_argument("--overwrite", action="store_true", help="a run without --resume into a --checkpoint-dir "
+                   "holding checkpoints is refused; this deletes them (latest, step folders), starts over")  # fmt: skip
     g.add_argument("--log-every", type=int, default=1, help="steps between metric lines")
     g.add_argument("--metrics", default=None, help="also append the JSON metric lines to this file")
     g.add_argument("--peak-flops", type=float, default=None, help="per-device peak FLOP/s, to report MFU")
@@ -209,10 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="WORLD_SIZE",
-        help="run the pre-flight checks for WORLD_SIZE ranks (arguments, layout, paths, data, a --resume's "
+        help="run the pre-flight checks for WORLD_SIZE ranks (arguments, layout, paths, data, memory, a --resume's "
         "checkpoint), then exit: 0 if the run would start, 2 with the message if not (the sbatch scripts "
         "call it once before starting any rank)",
     )
+    g.add_argument("--skip-memory-check", action="store_true", help="start even when the pre-flight's estimate of a "
+                   "rank's memory (scalebook.accounting's model states and activations, a lower bound) exceeds what "
+                   "the device has free (RAM on a CPU, shared by its ranks)")  # fmt: skip
     g.add_argument(
         "--simulate-failure-at",
         type=int,
@@ -237,6 +255,8 @@ class _Log:
 
     def __init__(self, args: argparse.Namespace, dims, rank: int, start: int):
         self.args, self.dims, self.on = args, dims, rank == 0
+        if args.metrics and self.on:  # the pre-flight created nothing: a refused run leaves no trace
+            Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
         self.file = open(args.metrics, "a") if args.metrics and self.on else None  # noqa: SIM115
         self.bar = None
         if self.on and not args.no_progress:
@@ -340,8 +360,10 @@ def run(args: argparse.Namespace, plan: Plan | None = None) -> list:
                         param_groups=lambda m: weight_decay_groups(m, cfg.weight_decay),
                         bucket_cap_mb=args.bucket_cap_mb, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                         foreach=False)  # fmt: skip
-    tokens = data.load_tokens(args.data)  # a prepared folder is memory-mapped: each rank reads only its rows
+    tokens = data.load_tokens(args.data, args.encoding)  # a prepared folder is memory-mapped: each rank its rows
     generator = torch.Generator().manual_seed(args.seed)
+    if args.overwrite and args.checkpoint_dir and env.rank == 0:
+        checkpoint.clear(args.checkpoint_dir)  # before the first save, whose barrier the other ranks wait at
     checkpoints = RunCheckpoints(args, model, generator, config.to_dict()) if args.checkpoint_dir else None
     losses = checkpoints.resume(plan.start) if checkpoints else []
     log = _Log(args, dims, env.rank, plan.start)
@@ -364,8 +386,8 @@ def run(args: argparse.Namespace, plan: Plan | None = None) -> list:
 def _train(
     args, model, next_batch, checkpoints: RunCheckpoints | None, cfg, start: int, losses: list[float], log: _Log
 ) -> list:
-    """The loop of :func:`run`: steps, logging, checkpoints, the non-finite steps' verdicts, and a stop on SIGTERM or
-    SIGUSR1 (:mod:`scalebook.train.preemption`): save, then raise its :class:`~scalebook.train.preemption.Stopped`."""
+    """The loop of :func:`run`: steps, logging, checkpoints, the non-finite steps' verdicts, and a stop on SIGTERM,
+    SIGUSR1 or Ctrl-C (:mod:`scalebook.train.preemption`): save, then raise its ``Stopped`` (a SystemExit)."""
     from scalebook.train.loop import training_steps
     from scalebook.train.preemption import Stopped, StopSignals
 
@@ -373,7 +395,7 @@ def _train(
     records, skipped, last_good = [], 0, start or None
     _fail_if_asked(args, start, rank, world_size)
     model.model.train()
-    with StopSignals(model.device) as stop:  # SIGTERM / SIGUSR1: finish the step, save, exit
+    with StopSignals(model.device) as stop:  # SIGTERM / SIGUSR1 / SIGINT: finish the step, save, exit
         for record in training_steps(model, next_batch, cfg, start=start):
             records.append(record)
             losses.append(record.loss)

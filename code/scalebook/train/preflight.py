@@ -5,10 +5,14 @@ otherwise surface after minutes (or hours) of training, and reports them all in 
 
 - the arguments and the layout (:func:`layout`, :class:`~scalebook.parallel.dims.ParallelDims`), with
   ``--global-batch`` derived from the world size when it is not given (:func:`default_global_batch`);
-- the paths: ``--checkpoint-dir`` and the folder of ``--metrics`` are created and written to (a probe
-  file), so an unwritable one fails before step 1, not at the first save;
-- the data: :func:`scalebook.data.check_corpus` (readable text, or prepared token shards with their index, each of
-  the size it gives, ids within the model's vocabulary; long enough for one sequence);
+- the paths: ``--checkpoint-dir`` and the folder of ``--metrics`` must be writable, so an unwritable one fails
+  before step 1, not at the first save; nothing is created (a probe file without a name, ``O_TMPFILE``, in the
+  nearest folder that exists), so a refused run leaves no folder behind. A fresh run (no ``--resume``) into a
+  folder that holds checkpoints is refused unless ``--overwrite`` says to start over;
+- the data: :func:`scalebook.data.check_corpus` (readable text, valid in ``--encoding``, or prepared token shards
+  with their index, each of the size it gives, ids within the model's vocabulary; long enough for one sequence);
+- the memory (:func:`memory_problems`): the model states and activations :mod:`scalebook.accounting` counts for
+  the model, the micro-batch, the sequence and the layout, against the memory the device has free;
 - ``--resume``: the newest checkpoint whose files match their manifest
   (:func:`scalebook.train.checkpoint.newest_intact`), its settings that fix the run (model, data, batch,
   seed: ``RESUME_SETTINGS``; the tokenizer of the data) equal to this run's, and ``--steps`` beyond its step.
@@ -25,7 +29,9 @@ PyTorch documentation, "torch.distributed.checkpoint" (a checkpoint's layout and
 from __future__ import annotations
 
 import argparse
+import errno
 import math
+import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +75,8 @@ def default_global_batch(args: argparse.Namespace, world_size: int) -> int:
 
 
 def _argument_problems(args: argparse.Namespace) -> list[str]:
+    from scalebook import data
+
     problems = []
     for name in ("seq_len", "micro_batch", "global_batch", "steps", "checkpoint_every", "log_every"):
         if getattr(args, name) < 1:
@@ -83,6 +91,12 @@ def _argument_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"need 0 < --min-lr <= --lr, both finite, got {args.min_lr} and {args.lr}")
     if args.resume and not args.checkpoint_dir:
         problems.append("--resume needs --checkpoint-dir")
+    if args.resume and args.overwrite:
+        problems.append("--resume continues the checkpoints that --overwrite would delete: pass one of them")
+    try:
+        data.check_encoding(args.encoding)
+    except ValueError as error:
+        problems.append(str(error))
     if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
         problems.append(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
     return problems
@@ -116,9 +130,15 @@ def layout(args: argparse.Namespace, world_size: int):
 
 
 def _writable(folder: Path) -> None:
-    """Create ``folder`` and write a probe file in it (``os.access`` says yes to root on a read-only mount)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=folder):
+    """Raise OSError unless ``folder`` is, or could be made, a folder this process can write in; create nothing.
+
+    The nearest of ``folder`` and its parents that exists must be a folder that takes a new file: a probe
+    (``os.access`` says yes to root on a read-only mount) that never has a name (``O_TMPFILE``), so no trace stays.
+    """
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
+    with tempfile.TemporaryFile(dir=existing):
         pass
 
 
@@ -129,7 +149,10 @@ def _why(error: OSError, path: Path) -> str:
 
 
 def path_problems(args: argparse.Namespace) -> list[str]:
-    """``--checkpoint-dir`` and ``--metrics``: each one's problem, if it cannot be written."""
+    """``--checkpoint-dir`` and ``--metrics``: each one's problem, if it cannot be written (nothing is created);
+    checkpoints already in ``--checkpoint-dir`` of a fresh run, unless ``--overwrite``."""
+    from scalebook.train import checkpoint
+
     problems = []
     if args.checkpoint_dir:
         try:
@@ -137,15 +160,110 @@ def path_problems(args: argparse.Namespace) -> list[str]:
         except OSError as error:
             problems.append(f"--checkpoint-dir {args.checkpoint_dir} is not a writable folder "
                             f"({_why(error, Path(args.checkpoint_dir))}); choose another --checkpoint-dir")  # fmt: skip
+        held = checkpoint.held(args.checkpoint_dir)
+        if held and not (args.resume or args.overwrite):
+            problems.append(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints ({held}); pass --resume "
+                            "to continue them, --overwrite to delete them and start over, or another "
+                            "--checkpoint-dir")  # fmt: skip
     if args.metrics:
+        metrics = Path(args.metrics)
         try:
-            _writable(Path(args.metrics).parent)
-            with open(args.metrics, "a"):
-                pass
+            if metrics.exists():  # appended to: opening it creates nothing
+                with open(metrics, "a"):
+                    pass
+            else:
+                _writable(metrics.parent)
         except OSError as error:
-            why = _why(error, Path(args.metrics).parent)
+            why = _why(error, metrics.parent if not metrics.is_dir() else metrics)
             problems.append(f"--metrics {args.metrics} cannot be appended to ({why}); choose another --metrics")
     return problems
+
+
+_ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}  # what --strategy shards over the dp x cp replicas
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def memory_estimate(args: argparse.Namespace, dims) -> tuple[int, str]:
+    """A lower bound of the bytes one rank holds at the peak of a step, from :mod:`scalebook.accounting`, and what it
+    is made of: fp32 weights, gradients and AdamW's moments (sharded as ``--strategy``, ``--tp`` and ``--pp`` say;
+    an MoE counted with one MLP per layer), the activations of fused attention in the step's precision, and the
+    logits. Left out, so that a run that fits is never refused: buffers, workspace, the framework's own memory."""
+    from scalebook import accounting, configs
+
+    config = model_config(args)
+    spec = configs.ModelConfig.from_gpt_config(config, name=args.model)
+    states = accounting.model_state_bytes(spec, zero_stage=_ZERO_STAGE.get(args.strategy, 0), dp=dims.dp * dims.cp,
+                                          tp=dims.tp, pp=dims.pp, precision="fp32").total  # fmt: skip
+    seq_len = args.seq_len // dims.cp
+    activations = accounting.activation_bytes(spec, seq_len=seq_len, micro_batch=args.micro_batch, tp=dims.tp,
+                                              sp=dims.sequence_parallel, attention="fused", dropout=config.dropout > 0,
+                                              dtype_bytes=2 if args.precision == "bf16" else 4)  # fmt: skip
+    activations = activations * min(dims.pp, dims.micro_batches) // dims.pp  # 1F1B's first stage: L/p layers x p
+    logits = args.micro_batch * seq_len * config.vocab_size * 4 // dims.tp if dims.pp == 1 else 0
+    what = (f"model states {_size(states)}: fp32 weights, gradients and AdamW's two moments of "
+            f"{accounting.param_count(spec):,} parameters; activations and logits {_size(activations + logits)} for "
+            f"--micro-batch {args.micro_batch} x --seq-len {args.seq_len}")  # fmt: skip
+    return states + activations + logits, what
+
+
+def _cgroup_room() -> int | None:
+    """The bytes this process's memory cgroup (v2, or v1) still allows, when it sets a limit."""
+    v1 = ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")
+    for limit, usage in (("memory.max", "memory.current"), v1):
+        try:
+            cap = (CGROUP / limit).read_text().strip()
+            if cap.isdigit() and int(cap) < 1 << 60:  # v1 says "no limit" with a huge number
+                return int(cap) - int((CGROUP / usage).read_text())
+        except (OSError, ValueError):
+            pass
+    return None
+
+
+def device_memory(local_rank: int) -> tuple[int, str, bool]:
+    """The bytes free for this rank (GPU: ``torch.cuda.mem_get_info``; CPU: ``MemAvailable`` of ``/proc/meminfo``,
+    else the physical pages, within the cgroup's limit), what they are, and whether the ranks of a node share them."""
+    import torch
+
+    if torch.cuda.is_available():
+        index = local_rank % torch.cuda.device_count()
+        free, total = torch.cuda.mem_get_info(index)
+        return free, f"free on GPU {index} (of {_size(total)})", False
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        free, what = int(meminfo["MemAvailable"].split()[0]) * 1024, "of RAM available (MemAvailable)"
+    except (OSError, KeyError, ValueError):
+        free, what = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "of RAM"
+    room = _cgroup_room()
+    if room is not None and room < free:
+        free, what = room, "left under this cgroup's memory limit"
+    return free, what, True
+
+
+def memory_problems(args: argparse.Namespace, dims) -> list[str]:
+    """Refuse a run that clearly cannot fit: :func:`memory_estimate`, a lower bound, above the memory the device has
+    free (on a CPU, times the ranks of this machine). ``--skip-memory-check`` skips it."""
+    from scalebook.comm import detect_env
+
+    if dims is None or args.skip_memory_check:
+        return []
+    env = detect_env()
+    need, what = memory_estimate(args, dims)
+    try:
+        free, where, shared = device_memory(env.local_rank)
+    except (OSError, RuntimeError, ValueError):  # memory we cannot read: no verdict
+        return []
+    ranks = env.local_world_size if shared else 1
+    if need * ranks <= free:
+        return []
+    total = f"; {ranks} ranks on this machine need {_size(need * ranks)}" if ranks > 1 else ""
+    return [f"memory: --model {args.model} needs at least {_size(need)} on each rank ({what}){total}, more than the "
+            f"{_size(free)} {where}; choose a smaller --model, --micro-batch or --seq-len, or spread the model over "
+            "more ranks (--strategy zero3 or fsdp shards it over the replicas, --tp and --pp split it), or pass "
+            "--skip-memory-check to try anyway"]  # fmt: skip
 
 
 def resume_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
@@ -172,8 +290,12 @@ def resume_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
     saved_tokenizer, tokenizer = manifest.get("tokenizer_id", data.BYTES_TOKENIZER_ID), data.tokenizer_id(args.data)
     if saved_tokenizer != tokenizer:
         problems.append(f"--data: the checkpoint (step {step} in {root}) was trained on tokens of tokenizer "
-                        f"{saved_tokenizer}, {args.data} holds tokens of {tokenizer}; prepare the data with the "
-                        "checkpoint's tokenizer, or pass another --checkpoint-dir")  # fmt: skip
+                        f"{saved_tokenizer}, {args.data or 'the embedded corpus'} holds tokens of {tokenizer}; prepare "
+                        "the data with the checkpoint's tokenizer, or pass another --checkpoint-dir")  # fmt: skip
+    encoding = saved.get("encoding", args.encoding)  # (a checkpoint older than --encoding does not say)
+    if data.codec_name(encoding) != data.codec_name(args.encoding) and args.data and not data.is_prepared(args.data):
+        problems.append(f"--encoding: the checkpoint (step {step} in {root}) read its text as {encoding}, this run as "
+                        f"{args.encoding}; pass --encoding {encoding} or another --checkpoint-dir")  # fmt: skip
     if args.steps < step:
         problems.append(f"--steps {args.steps} is below the checkpoint's step {step}: a run cannot go back; "
                         f"pass --steps above {step}, or another --checkpoint-dir")  # fmt: skip
@@ -192,9 +314,12 @@ def preflight(args: argparse.Namespace, world_size: int) -> Plan:
         dims, problems = None, [line.strip() for line in str(error).splitlines()[1:]]
     problems += path_problems(args)
     try:
-        data.check_corpus(args.data, min_tokens=args.seq_len + 1, vocab_size=model_config(args).vocab_size)
+        if not any(problem.startswith("--encoding") for problem in problems):
+            data.check_corpus(args.data, min_tokens=args.seq_len + 1, vocab_size=model_config(args).vocab_size,
+                              encoding=args.encoding)  # fmt: skip
     except ValueError as error:
         problems.append(f"--data: {error}")
+    problems += memory_problems(args, dims)
     plan = Plan(dims)
     if args.resume and not problems:
         problems += resume_problems(args, plan)
