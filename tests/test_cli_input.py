@@ -55,18 +55,24 @@ def one_thread_main(argv: list[str]) -> int:
 
 
 def test_ctrl_c_sets_the_flag_gives_back_the_default_for_a_second_one_and_means_exit_130():
-    before = signal.getsignal(signal.SIGINT)
+    before, elsewhere = signal.getsignal(signal.SIGINT), []
+
+    def previous(signum, frame):  # what a SIGINT that StopSignals missed would reach (not pytest's KeyboardInterrupt)
+        elsewhere.append(signum)
+
+    signal.signal(signal.SIGINT, previous)
     try:
         with StopSignals() as stop:
-            os.kill(os.getpid(), signal.SIGINT)  # without the handler: KeyboardInterrupt here
-            assert stop.received == signal.SIGINT and stop.agreed() == "SIGINT"
+            os.kill(os.getpid(), signal.SIGINT)
+            assert elsewhere == [] and stop.received == signal.SIGINT and stop.agreed() == "SIGINT"
             assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # a second Ctrl-C: the system ends the process
         assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # ... until the process has gone
+        signal.signal(signal.SIGINT, previous)
+        with StopSignals():  # no Ctrl-C: the previous handler comes back
+            pass
+        assert signal.getsignal(signal.SIGINT) is previous
     finally:
         signal.signal(signal.SIGINT, before)
-    with StopSignals():  # no Ctrl-C: the previous handler comes back
-        pass
-    assert signal.getsignal(signal.SIGINT) is before
     stopped = Stopped("SIGINT", 4, "ckpt")
     assert stopped.code == EXIT_INTERRUPTED == 130 and isinstance(stopped, SystemExit)
     assert str(stopped) == "stopping at step 4 on SIGINT: checkpoint saved in ckpt; continue with --resume"
