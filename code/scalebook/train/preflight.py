@@ -251,10 +251,10 @@ def memory_problems(args: argparse.Namespace, dims) -> list[str]:
     if dims is None or args.skip_memory_check:
         return []
     env = detect_env()
-    need, what = memory_estimate(args, dims)
     try:
+        need, what = memory_estimate(args, dims)
         free, where, shared = device_memory(env.local_rank)
-    except (OSError, RuntimeError, ValueError):  # memory we cannot read: no verdict
+    except (OSError, RuntimeError, ValueError):  # a layout accounting does not model, memory we cannot read: no verdict
         return []
     ranks = env.local_world_size if shared else 1
     if need * ranks <= free:
