@@ -72,7 +72,9 @@ def test_the_training_command_refuses_bin_ls_before_any_work(capsys):
     assert "--data: data file /bin/ls is binary, not text (" in capsys.readouterr().err
 
 
-def test_the_training_command_trains_on_latin1_bytes_unchanged(tmp_path, monkeypatch):
+def test_the_training_command_trains_on_latin1_bytes_unchanged_with_encoding_bytes(tmp_path, monkeypatch):
+    # Text is decoded as strict UTF-8 by default (issue 37: Latin-1 is refused with the way out); --encoding bytes
+    # asks for the file's exact bytes.
     from scalebook.train import cli
 
     latin1 = tmp_path / "latin1.txt"
@@ -84,8 +86,8 @@ def test_the_training_command_trains_on_latin1_bytes_unchanged(tmp_path, monkeyp
         return get_batch(tokens, *args, **kwargs)
 
     monkeypatch.setattr(data, "get_batch", recording_get_batch)
-    args = ["--strategy", "single", "--data", str(latin1), "--steps", "2", "--seq-len", "16", "--micro-batch", "2",
-            "--global-batch", "2", "--no-progress"]  # fmt: skip
+    args = ["--strategy", "single", "--data", str(latin1), "--encoding", "bytes", "--steps", "2", "--seq-len", "16",
+            "--micro-batch", "2", "--global-batch", "2", "--no-progress"]  # fmt: skip
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the launcher's ranks: 0.03 s a step here, against seconds on a loaded machine
     try:
