@@ -127,7 +127,7 @@ def stage_errors(per_rank: list[dict], reference: dict[str, torch.Tensor]) -> fl
 
 
 @pytest.mark.parametrize("composition", ["train_3d", "parallelize"])
-def test_dp2_tp2_pp2_on_8_ranks_trains_like_one_plain_pytorch_process(composition, launched):
+def test_dp2_tp2_pp2_on_8_ranks_trains_like_one_process(composition, launched):
     """Losses of 3 steps, and the first step's gradient of every tensor before AdamW (losses after AdamW hide a
     gradient off by a constant factor: Adam divides it out). Through ``parallelize``, also every step's gradient
     norm before clipping, the ParallelModel's ``clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_``:
