@@ -30,10 +30,10 @@ book: $(STAMP)
 
 ## test: nbval over every notebook first, then unit and distributed tests, the book build (from the
 ## committed outputs, so nothing executes twice) and the browser checks
-## Two pytest-xdist workers (--dist loadgroup: a notebook, a module, the book's users and the SLURM users each
-## stay on one worker, tests/conftest.py); many tests wait on launches and subprocesses rather than compute.
+## Two pytest-xdist workers (--dist loadscope, grouped by tests/conftest.py: a notebook, a module, the book's users
+## and the SLURM users each stay on one worker); many tests wait on launches and subprocesses rather than compute.
 ## Every test is bounded by pytest-timeout (pyproject.toml). XDIST="-n 0" runs them in one process.
-XDIST ?= -n 2 --dist loadgroup
+XDIST ?= -n 2 --dist loadscope
 test: $(STAMP)
 	$(BIN)/python -m pytest notebooks tests --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
 		$(XDIST) --durations=25

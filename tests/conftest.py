@@ -180,33 +180,43 @@ def _slow_names(item) -> set[str]:
     return {item.originalname, *fixtures, *(f"{name}[{params[name]}]" for name in fixtures & set(params))}
 
 
-# `make test` runs two pytest-xdist workers with --dist loadgroup: every item gets a group, so that a notebook's
-# cells run in order in one kernel and a module's shared launch (a module-scoped fixture) runs once. The book is
-# built once per worker that needs it, so every user of the built book shares one group; the local SLURM
-# clusters of test_slurm.py and Chapter 15 share another, so that they never start at the same time.
-BOOK_FIXTURES = {"book_html", "build_book"}
+# `make test` runs two pytest-xdist workers. Tests go to the workers in groups (GroupScheduling): a notebook's
+# cells run in order in one kernel, a module's shared launch (a module-scoped fixture) runs once, every user of
+# the built book (a session fixture, built once per worker) shares one worker, and the local SLURM clusters of
+# test_slurm.py and Chapter 15 never start at the same time. (pytest-xdist's own --dist loadgroup cannot do it
+# under pytest 9: it renames items through Item._nodeid, which pytest 9 no longer reads.)
+BOOK_USERS = {"test_book.py", "test_browser.py", "test_chapters.py", "test_live_calculators.py", "test_reader_aids.py"}
 SLURM_USERS = {"test_slurm.py", "15_on_a_real_cluster.ipynb"}
 # Per-item limits (pytest-timeout; the default is pyproject.toml's `timeout`): a test that hangs fails with its
 # name instead of eating CI's time. The first user of the book pays for building it (minutes on two cores).
 BOOK_TIMEOUT_S = 1800
 
 
-def xdist_group(item) -> str:
-    """The pytest-xdist group of ``item`` (see above)."""
-    if BOOK_FIXTURES & set(getattr(item, "fixturenames", ())):
-        return "book"
-    if item.path.name in SLURM_USERS or "cluster" in getattr(item, "fixturenames", ()):
-        return "slurm"
-    return item.path.name
+def xdist_group(nodeid: str) -> str:
+    """The group of the test ``nodeid``: its file, or "book" or "slurm" for the files that share those."""
+    path = nodeid.split("::", 1)[0]
+    name = path.rsplit("/", 1)[-1]
+    return "book" if name in BOOK_USERS else "slurm" if name in SLURM_USERS else path
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` with :func:`xdist_group` as the scope (each group runs on one worker, in order)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark slow: the notebooks (nbval), browser tests, users of SLOW_FIXTURES and what SLOW names; give every
-    item its xdist group and the book's users their longer timeout."""
+    """Mark slow: the notebooks (nbval), browser tests, users of SLOW_FIXTURES and what SLOW names; give the
+    book's users their longer timeout."""
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
-        if xdist_group(item) == "book":
+        if item.path.name in BOOK_USERS:
             item.add_marker(pytest.mark.timeout(BOOK_TIMEOUT_S))
     for item in items:
         is_test_function = isinstance(item, pytest.Function)

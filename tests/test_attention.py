@@ -344,7 +344,15 @@ def test_saved_bytes_of_attention_equal_the_formula(seq_len, dtype):
     assert unmasked.total_bytes == sum(
         attention_saved_bytes(b, seq_len, h, d, masked=False, dtype_bytes=size).values()
     )
-    fused = saved_for_backward(lambda *a: F.scaled_dot_product_attention(*a, is_causal=True), q, k, v)
+    try:
+        fused = saved_for_backward(lambda *a: F.scaled_dot_product_attention(*a, is_causal=True), q, k, v)
+    except RuntimeError as error:
+        # torch's bf16 flash-attention kernel for CPUs with AVX-512 cannot run on the AVX2 kernels that
+        # ATEN_CPU_CAPABILITY=avx2 forces on such a CPU (.ci/run does, to check the notebooks' outputs); a real AVX2
+        # CPU takes another path. Only that emulation may skip, and it says so.
+        if "pack_vnni2" not in str(error) or not os.environ.get("ATEN_CPU_CAPABILITY"):
+            raise
+        pytest.skip(f"ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']} on an AVX-512 CPU: {error}")
     assert fused.total_bytes == sum(
         attention_saved_bytes(b, seq_len, h, d, impl="sdpa", dtype_bytes=size).values()
     )

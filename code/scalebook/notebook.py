@@ -28,7 +28,12 @@ EVAL_ROLE = re.compile(r"\{eval\}(`+)(.+?)\1", re.S)
 
 
 def setup(seed: int = 0, threads: int = 2) -> None:
-    """Seed every generator, fix the thread count (float results depend on it) and quiet known noise."""
+    """Seed every generator, fix the thread count and quiet known noise.
+
+    ``SCALEBOOK_THREADS`` overrides ``threads`` (how the outputs are checked on 1 thread, as on a 1-core machine,
+    against outputs written with 2: they must agree at the precision the chapters show them).
+    """
+    threads = int(os.environ.get("SCALEBOOK_THREADS", threads))
     import numpy as np
     import torch
 
@@ -162,17 +167,23 @@ def error_text(error: float, tolerance: float) -> str:
     return f"< {tolerance:g}" if error < tolerance else f"{error:.1e}"
 
 
-def glue(name: str, variable, display: bool = True, *, digits: int = DIGITS, below: float | None = None):
-    """``myst_nb.glue`` that also keeps the value for ``{eval}`` in prose.
+def glue(name: str, variable, display: bool = True, *, digits: int | None = DIGITS, below: float | None = None):
+    """``myst_nb.glue`` that also keeps the value for ``{eval}`` in prose, as the cell's output shows it.
 
-    The prose formats the exact value (``glued.name``); the cell's output, which nbval compares with the committed
-    one, holds it at ``digits`` significant digits (:func:`rounded`), so that it reproduces on any CPU. A measured
-    rounding error is glued with ``below=tolerance``: its output is then :func:`error_text`'s.
+    The output (which nbval compares with the committed one) and ``glued.name`` (which the prose formats) hold
+    the same value, so every number in prose is checked: ``variable`` at ``digits`` significant digits
+    (:func:`rounded`), so that it reproduces on any CPU. ``digits=None`` keeps it whole, for a value computed in
+    Python from constants (a FLOP count, a published figure), whose digits are the same everywhere. A measured
+    rounding error is glued with ``below=tolerance``: then the value is the tolerance, which the error is below
+    (the prose says "within" or "less than"), or the error itself at two digits where it is not.
     """
     from myst_nb import glue as myst_glue
 
-    setattr(glued, name, variable)
-    shown = rounded(variable, digits) if below is None else error_text(variable, below)
+    if below is not None:
+        shown = below if abs(float(variable)) < below else float(f"{float(variable):.1e}")
+    else:
+        shown = variable if digits is None else rounded(variable, digits)
+    setattr(glued, name, shown)
     return myst_glue(name, shown, display=display)
 
 
