@@ -13,18 +13,16 @@ Run with ``python bench/run.py --only hsdp``.
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 
 import torch.distributed as dist
+from zero import time_and_count  # bench/ is on sys.path (run.py), in the ranks too
 
-from scalebook.comm import count_traffic, launch
+from scalebook.comm import launch
 from scalebook.experiments.zero import Recipe, wrap
 from scalebook.model import GPTConfig
 
 RECIPE = Recipe(GPTConfig.named("tiny"), steps=1, batch_size=4, seq_len=128)
 NODES, GPUS_PER_NODE = 2, 2
-STEPS = 5  # timed steps of each method per repeat
 
 
 def compare_steps(repeats: int) -> dict:
@@ -35,29 +33,7 @@ def compare_steps(repeats: int) -> dict:
     groups = {"process_group": mesh.get_group("shard"), "replicate_group": mesh.get_group("replicate")}
     setups = {"ours": wrap(RECIPE.model(), "ZeRO-3", RECIPE, backward_prefetch=True, **groups),
               "torch": wrap(RECIPE.model(), "FSDP2", RECIPE, mesh=mesh)}  # fmt: skip
-    (x, y), *_ = RECIPE.batches(dist.get_rank(), dist.get_world_size())
-
-    def step(module, optimizer):
-        _, loss = module(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    sent = {}
-    for key, (module, optimizer) in setups.items():
-        step(module, optimizer)  # allocates the optimizer state (and runs FSDP2's lazy initialisation)
-        with count_traffic() as traffic:
-            step(module, optimizer)
-        sent[key] = traffic.bytes_sent()
-    seconds = {key: [] for key in setups}
-    keys = list(setups)
-    for i in range(repeats * STEPS):
-        for key in keys[i % 2 :] + keys[: i % 2]:  # alternate which goes first
-            dist.barrier()
-            start = time.perf_counter()
-            step(*setups[key])
-            seconds[key].append(time.perf_counter() - start)
-    return {"seconds": {key: statistics.median(v) for key, v in seconds.items()}, "sent": sent}
+    return time_and_count(setups, RECIPE.batches(dist.get_rank(), dist.get_world_size())[0], repeats)
 
 
 @functools.cache

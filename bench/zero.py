@@ -30,11 +30,10 @@ PAIRS = {  # entry name: (ours, PyTorch's), each (method, options) for scalebook
 }
 
 
-def compare_steps(repeats: int) -> dict:
-    """Worker on 2 ranks: median step seconds (interleaved) and ring bytes sent in one step, for every method."""
-    methods = {(name, side): method for name, pair in PAIRS.items() for side, method in zip(SIDES, pair, strict=True)}
-    setups = {key: wrap(RECIPE.model(), method, RECIPE, **options) for key, (method, options) in methods.items()}
-    (x, y), *_ = RECIPE.batches(dist.get_rank(), dist.get_world_size())
+def time_and_count(setups: dict, batch, repeats: int) -> dict:
+    """Rank's median step seconds (every setup in turn, the order rotated each round) and the ring bytes it sends
+    in one step, for ``setups`` (key: (module, optimizer)) training on ``batch`` (x, y). Shared with hsdp.py."""
+    x, y = batch
 
     def step(module, optimizer):
         _, loss = module(x, y)
@@ -48,14 +47,21 @@ def compare_steps(repeats: int) -> dict:
         with count_traffic() as traffic:
             step(module, optimizer)
         sent[key] = traffic.bytes_sent()
-    seconds = {key: [] for key in setups}
-    for _ in range(repeats * STEPS):
-        for key, (module, optimizer) in setups.items():
-            dist.barrier()  # both ranks start together: a step's time includes waiting for the slower rank
+    seconds, keys = {key: [] for key in setups}, list(setups)
+    for i in range(repeats * STEPS):
+        for key in keys[i % len(keys) :] + keys[: i % len(keys)]:  # rotate which goes first
+            dist.barrier()  # every rank starts together: a step's time includes waiting for the slowest rank
             start = time.perf_counter()
-            step(module, optimizer)
+            step(*setups[key])
             seconds[key].append(time.perf_counter() - start)
     return {"seconds": {key: statistics.median(v) for key, v in seconds.items()}, "sent": sent}
+
+
+def compare_steps(repeats: int) -> dict:
+    """Worker on 2 ranks: median step seconds (interleaved) and ring bytes sent in one step, for every method."""
+    methods = {(name, side): method for name, pair in PAIRS.items() for side, method in zip(SIDES, pair, strict=True)}
+    setups = {key: wrap(RECIPE.model(), method, RECIPE, **options) for key, (method, options) in methods.items()}
+    return time_and_count(setups, RECIPE.batches(dist.get_rank(), dist.get_world_size())[0], repeats)
 
 
 @functools.cache
