@@ -33,7 +33,7 @@ ORPHAN_GRACE_S = 5.0
 class LaunchTimeout(subprocess.TimeoutExpired, TimeoutError):
     """A launch that ran past its timeout and was killed with everything it started.
 
-    Both a :class:`subprocess.TimeoutExpired` (what ``subprocess.run`` raises) and a :class:`TimeoutError`.
+    Both a ``subprocess.TimeoutExpired`` (what ``subprocess.run`` raises) and a ``TimeoutError``.
     """
 
     def __init__(self, cmd, timeout: float, stdout: str, stderr: str, message: str):
