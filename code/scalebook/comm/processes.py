@@ -157,11 +157,11 @@ def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float, na
                     exited_at = now  # the launcher is done, but something it started still holds its pipes
                 if now > deadline or (exited_at is not None and now - exited_at > ORPHAN_GRACE_S):
                     timed_out = proc.poll() is None
-                    kill_marked(value, proc.pid)
+                    kill_marked(value, _unreaped(proc))
                     stdout, stderr = _drain(proc, reap_s)
                     break
     finally:
-        kill_marked(value, proc.pid)  # ranks the launcher left behind, however it ended (Ctrl-C included)
+        kill_marked(value, _unreaped(proc))  # ranks the launcher left behind, however it ended (Ctrl-C too)
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=reap_s)
@@ -171,6 +171,11 @@ def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float, na
                             f"{label} did not finish in {timeout:.0f} s (killed with its ranks); "
                             f"the end of its stderr:\n{stderr[-3000:]}")  # fmt: skip
     return Finished(proc.returncode, stdout, stderr)
+
+
+def _unreaped(proc: subprocess.Popen) -> int | None:
+    """The launcher's pid while it is still ours to kill; None once it has been reaped (its pid may be reused)."""
+    return proc.pid if proc.returncode is None else None
 
 
 def _drain(proc: subprocess.Popen, reap_s: float) -> tuple[str, str]:
