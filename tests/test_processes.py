@@ -26,6 +26,8 @@ LAUNCHER = textwrap.dedent(
              for _ in range(2)]
     with open(out + ".tmp", "w") as f:
         f.write(" ".join(str(r.pid) for r in ranks))
+    with open(out + ".sessions", "w") as f:  # each rank's session, read while it runs (after the kill it is gone)
+        f.write(" ".join(str(os.getsid(r.pid)) for r in ranks))
     os.replace(out + ".tmp", out)
     print("ranks started", flush=True)
     print("a line on stderr", file=sys.stderr, flush=True)
@@ -59,7 +61,8 @@ def test_a_launcher_past_its_timeout_is_killed_with_ranks_in_their_own_sessions(
         processes.run([sys.executable, str(script), str(pids)], timeout=3, name="fake-launcher")
     elapsed = time.monotonic() - started
     ranks = _ranks(pids)
-    assert len(ranks) == 2 and all(os.getsid(0) != _sid_or_none(pid) for pid in ranks)
+    sessions = [int(sid) for sid in (tmp_path / "pids.sessions").read_text().split()]
+    assert len(ranks) == 2 and sessions == ranks, "each rank leads a session of its own, as torchrun's do"
     assert not [pid for pid in ranks if _alive(pid)], "ranks survived the launcher's timeout"
     assert "a line on stderr" in caught.value.stderr  # what the launcher printed comes back with the error
     assert isinstance(caught.value, TimeoutError)  # and the error is both kinds of timeout
@@ -116,13 +119,6 @@ def test_without_the_mark_the_ranks_would_have_survived(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-def _sid_or_none(pid: int) -> int | None:
-    try:
-        return os.getsid(pid)
-    except ProcessLookupError:
-        return None
 
 
 def test_a_non_positive_timeout_is_refused_before_anything_starts():
