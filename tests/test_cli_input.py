@@ -2,7 +2,7 @@
 one stops at once, no rank prints a KeyboardInterrupt traceback under torchrun; a run that cannot fit in memory is
 refused before any work; text that is not valid in its --encoding is refused, naming the file and the byte; a
 refused run creates no folder; the embedded corpus is named as such; a fresh run does not overwrite checkpoints;
-a refusal under torchrun is one message from rank 0.
+a refused layout launched by run_local is the message alone (exit 2), under torchrun by hand one message from rank 0.
 
 In-process where the behaviour is the pre-flight's (its checks are functions of the arguments and the files);
 subprocesses where it is the process's (signals, exit codes, torchrun), each wait bounded and every process it
@@ -293,16 +293,34 @@ def test_a_fresh_run_into_a_folder_with_checkpoints_is_refused_unless_overwrite(
 # ----- 7. a refusal under torchrun ----------------------------------------------------------------------------
 
 
-def test_a_refused_layout_under_torchrun_is_one_message_and_exit_code_2_from_every_rank():
-    # 2 x 2 ranks asked of 2. The ranks exit with code 2 and rank 0's message, without a traceback or a usage text
-    # of theirs; what follows is torchrun's own report (its ChildFailedError traceback and summary, printed for any
-    # rank that exits with a code other than 0, however it exits), which no rank can silence: rank 0 says so.
-    run = cli.run_local([*TINY, "--strategy", "3d", "--tp", "2", "--pp", "2"], nproc=2, timeout=120)
-    assert run.returncode != 0 and run.records == []
-    message = run.stderr.split("python -m scalebook.train: error: invalid arguments:")
-    assert len(message) == 2 and "Traceback" not in message[0] and "usage:" not in run.stderr
+REFUSED_LAYOUT = [*TINY, "--strategy", "3d", "--tp", "2", "--pp", "2"]  # 2 x 2 ranks asked of 2
+
+
+def test_a_refused_layout_launched_through_torchrun_by_run_local_is_the_message_alone_with_exit_code_2():
+    # The issue: the one good message, then 44 lines of torchrun's own ChildFailedError traceback, exit code 1.
+    # run_local runs the pre-flight for its nproc ranks before it starts torchrun, which a refused run never starts.
+    run = cli.run_local(REFUSED_LAYOUT, nproc=2, timeout=120)
+    assert (run.returncode, run.records) == (2, [])
+    assert run.stderr.splitlines() == [
+        "python -m scalebook.train: error: invalid arguments:",
+        "  dp x tp x pp x cp = 1 x 2 x 2 x 1 = 4 must equal the 2 ranks started; --tp x --pp x --cp = 4 does not "
+        "divide it: change --tp, --pp or --cp, or start 4 ranks",
+        "(see python -m scalebook.train --help)",
+    ]
+
+
+def test_a_refused_layout_under_a_torchrun_started_by_hand_is_one_message_and_exit_code_2_from_every_rank():
+    # Started by hand, torchrun runs the ranks before any check. They exit with code 2 and rank 0's message, without
+    # a traceback or a usage text of theirs; what follows is torchrun's own report (its ChildFailedError traceback
+    # and summary, printed for any rank that exits with a code other than 0, however it exits), which no rank can
+    # silence: rank 0 says so, and how to check without torchrun.
+    finished = processes.run(train_command(*REFUSED_LAYOUT, nproc=2), env={**os.environ, "OMP_NUM_THREADS": "1"},
+                             timeout=120, name="torchrun")  # fmt: skip
+    assert finished.returncode != 0 and '{"step"' not in finished.stdout
+    message = finished.stderr.split("python -m scalebook.train: error: invalid arguments:")
+    assert len(message) == 2 and "Traceback" not in message[0] and "usage:" not in finished.stderr
     assert "dp x tp x pp x cp = 1 x 2 x 2 x 1 = 4 must equal the 2" in message[1]
     assert message[1].count("(torchrun's report below only says that the ranks exited with code 2; --check-only") == 1
-    tracebacks = run.stderr.split("Traceback (most recent call last):")[1:]
+    tracebacks = finished.stderr.split("Traceback (most recent call last):")[1:]
     assert len(tracebacks) == 1 and "ChildFailedError" in tracebacks[0]  # torchrun's, no rank's
-    assert "exitcode  : 1" not in run.stderr and "exitcode  : 2" in run.stderr
+    assert "exitcode  : 1" not in finished.stderr and "exitcode  : 2" in finished.stderr

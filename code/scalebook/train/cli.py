@@ -46,6 +46,8 @@ Micikevicius et al. 2018 (skipping the update of a step with non-finite gradient
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import signal
@@ -103,15 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the data-parallel replicas keep in step: PyTorch's torch-ddp / fsdp, or the book's ddp (Ch. 10), "
         "zero1 / zero2 / zero3 (Ch. 11); single = one replica; tp, pp, 3d (Ch. 12-14) = the book's ddp",
     )
-    g.add_argument(
-        "--dp",
-        type=int,
-        default=None,
-        help="data-parallel degree, the number of replicas (default: the ranks tp x pp x cp leave)",
-    )
-    g.add_argument(
-        "--tp", type=int, default=1, help="tensor-parallel degree (must divide the heads, the width and the vocabulary)"
-    )
+    g.add_argument("--dp", type=int, default=None, help="data-parallel degree, the number of replicas (default: "
+                   "the ranks tp x pp x cp leave)")  # fmt: skip
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree (must divide the heads, the width and the vocabulary)")  # fmt: skip
     g.add_argument(
         "--pp",
         type=int,
@@ -127,23 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
         "2 x cp chunks (--seq-len must divide evenly); the cp ranks average their gradients as replicas do, "
         "so with a data-parallel --strategy (not single), and not with --pp or --sequence-parallel",
     )
-    g.add_argument(
-        "--ep",
-        type=int,
-        default=1,
-        help="expert-parallel degree: the experts of --moe-experts sharded over ep of the dp replicas",
-    )
-    g.add_argument(
-        "--sequence-parallel",
-        action="store_true",
-        help="with --tp: LayerNorms, residuals and dropout on seq-len / tp tokens per rank (Ch. 12)",
-    )
-    g.add_argument(
-        "--bucket-cap-mb",
-        type=float,
-        default=None,
-        help="gradient bucket size in MiB for ddp, zero1 and torch-ddp; None means PyTorch's 25",
-    )
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel degree: the experts of --moe-experts sharded "
+                   "over ep of the dp replicas")  # fmt: skip
+    g.add_argument("--sequence-parallel", action="store_true", help="with --tp: LayerNorms, residuals and dropout "
+                   "on seq-len / tp tokens per rank (Ch. 12)")  # fmt: skip
+    g.add_argument("--bucket-cap-mb", type=float, default=None, help="gradient bucket size in MiB for ddp, zero1 "
+                   "and torch-ddp; None means PyTorch's 25")  # fmt: skip
     g = p.add_argument_group("model and data")
     g.add_argument("--model", choices=SIZES, default="tiny", help="model size (GPTConfig.named)")
     g.add_argument("--moe-experts", type=int, default=0, help="experts per mixture-of-experts MLP (0: the dense MLP)")
@@ -467,9 +453,25 @@ def run_local(
         "-m", "scalebook.train"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     name = "torchrun" if launcher[1:3] == ["-m", "torch.distributed.run"] else "python -m scalebook.train"
+    if name == "torchrun" and (refused := _refusal(train_args, nproc)) is not None:
+        return LocalRun(2, [], refused)
     finished = processes.run([*launcher, *train_args], env=env, timeout=timeout, name=name)
     records = [json.loads(line) for line in finished.stdout.splitlines() if line.startswith("{")]
     return LocalRun(finished.returncode, records, finished.stderr)
+
+
+def _refusal(train_args: list[str], world_size: int) -> str | None:
+    """The pre-flight's message for ``world_size`` ranks of ``train_args`` (as rank 0 prints it) if it refuses them,
+    else None. Run here, in the launching process, a refused run never starts torchrun, whose own report (a
+    ChildFailedError traceback, exit code 1) would follow the message: the message alone, and exit code 2."""
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            main([*train_args, "--check-only", str(world_size)])
+        except SystemExit as exited:
+            if exited.code not in (0, None):
+                return stderr.getvalue()
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
