@@ -1,7 +1,9 @@
 """Input checks shared by the accounting functions.
 
 Each check returns the problems it found as sentences; :func:`require` raises them together as one
-ValueError, before any arithmetic, so a caller learns everything to change at once.
+ValueError, before any arithmetic, so a caller learns everything to change at once. What makes a
+parallel layout impossible for a model (more pipeline stages than layers, a tensor-parallel degree
+that does not split the heads) is decided here, in :func:`parallel_layout`, and nowhere else.
 """
 
 from __future__ import annotations
@@ -52,3 +54,33 @@ def model_or_count(model) -> list[str]:
     if isinstance(model, bool) or not isinstance(model, Real) or not model > 0:
         return [f"model must be a ModelConfig or a positive parameter count, got {model!r}"]
     return []
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def parallel_layout(model, *, dp: int = 1, tp: int = 1, pp: int = 1, sp: bool = False, seq_len=None) -> list[str]:
+    """What cannot work in splitting ``model`` over ``dp x tp x pp`` devices (empty when it can).
+
+    Every degree is an integer >= 1. For a ModelConfig (a bare parameter count has no layers or heads):
+    each of the ``pp`` pipeline stages needs at least one layer; tensor parallelism gives each of its
+    ``tp`` ranks whole attention heads, so ``tp`` divides the query heads and the key/value heads; and
+    with sequence parallelism (``sp``) it splits ``seq_len`` into ``tp`` equal shards.
+    """
+    problems = positive_int(dp=dp, tp=tp, pp=pp)
+    if problems or not isinstance(model, ModelConfig):
+        return problems
+    name, layers, heads, kv_heads = model.name, model.n_layers, model.n_heads, model.n_kv_heads
+    if pp > layers:
+        problems.append(f"pp ({pp}) must be at most the number of layers ({layers}) of {name}: every pipeline "
+                        f"stage holds at least one layer; choose pp from 1 to {layers}")  # fmt: skip
+    if heads % tp:
+        problems.append(f"tp ({tp}) must divide n_heads ({heads}) of {name}; choose tp from {_divisors(heads)}")
+    elif kv_heads % tp:
+        problems.append(f"tp ({tp}) must divide n_kv_heads ({kv_heads}) of {name}, whose key/value heads it "
+                        f"splits; choose tp from {_divisors(kv_heads)}")  # fmt: skip
+    if sp and isinstance(seq_len, int) and seq_len > 0 and seq_len % tp:
+        problems.append(f"sequence parallelism splits the sequence over tp ranks: seq_len ({seq_len}) must be "
+                        f"divisible by tp ({tp})")  # fmt: skip
+    return problems

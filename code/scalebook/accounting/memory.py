@@ -130,7 +130,7 @@ def model_state_bytes(
     _checks.require(
         _checks.model_or_count(n_params),
         _checks.one_of("zero_stage", zero_stage, ZERO_STAGES),
-        _checks.positive_int(dp=dp, tp=tp, pp=pp),
+        _checks.parallel_layout(n_params, dp=dp, tp=tp, pp=pp),
         _checks.one_of("precision", precision, PRECISIONS),
         _checks.one_of("optimizer", optimizer, OPTIMIZERS),
     )
@@ -171,21 +171,13 @@ def activation_bytes(
     """
     _checks.require(
         _checks.model_config(cfg),
-        _checks.positive_int(seq_len=seq_len, micro_batch=micro_batch, tp=tp, dtype_bytes=dtype_bytes),
+        _checks.positive_int(seq_len=seq_len, micro_batch=micro_batch, dtype_bytes=dtype_bytes),
+        _checks.parallel_layout(cfg, tp=tp, sp=sp, seq_len=seq_len),
         _checks.one_of("sp", sp, (False, True)),
         _checks.one_of("recompute", recompute, RECOMPUTE),
         _checks.one_of("attention", attention, ATTENTION),
     )
     s, b, h, a, t = seq_len, micro_batch, cfg.d_model, cfg.n_heads, tp
-    _checks.require(
-        [] if a % t == 0 else [f"tp ({t}) must divide n_heads ({a}) of {cfg.name}; "
-                               f"choose tp from {[d for d in range(1, a + 1) if a % d == 0]}"],
-        [] if a % t or cfg.n_kv_heads % t == 0 else [
-            f"tp ({t}) must divide n_kv_heads ({cfg.n_kv_heads}) of {cfg.name}, whose key/value heads it splits; "
-            f"choose tp from {[d for d in range(1, a + 1) if cfg.n_kv_heads % d == 0]}"],
-        [] if not sp or s % t == 0 else [f"sequence parallelism splits the sequence over tp ranks: "
-                                         f"seq_len ({s}) must be divisible by tp ({t})"],
-    )  # fmt: skip
     seq_shard = s // t if sp else s  # SP splits the sequence of the otherwise replicated tensors
     if recompute == "full":
         # Only each layer's input is kept: 2 s b h (16-bit), / t with SP.
