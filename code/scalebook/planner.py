@@ -43,6 +43,9 @@ PP is its standard recipe), at this per-micro-batch price. A stage that instead 
 gradients gathered from the first micro-batch to the last (what ``torch.distributed.pipelining`` does
 with FSDP2) has ZeRO-1's peak memory and traffic, which the search already holds as ZeRO-1.
 
+``predict`` here is :func:`scalebook.system.predict.predict`, the system model that predicts a given layout's
+step time, utilization and memory with parameters fitted on published runs; ``plan`` keeps its ``mfu`` input.
+
 Source: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", Sec. 3 (takeaways on combining TP, PP, DP); Grattafiori et al. 2024, "The Llama 3 Herd of
 Models", Sec. 3.3.2 (TP 8, PP 16, DP 128 on 16,384 H100 for 8K sequences); Tazi et al. 2025, "The
@@ -62,6 +65,7 @@ from scalebook.accounting.flops import flops_per_token
 from scalebook.accounting.memory import activation_bytes, model_state_bytes
 from scalebook.accounting.params import param_count
 from scalebook.configs import ModelConfig
+from scalebook.system.predict import predict  # noqa: F401 - the system model's entry point, planner.predict
 
 RECOMPUTE = ("selective", "full")
 

@@ -1,0 +1,186 @@
+"""The system model (scalebook.system) against published runs, published link numbers and its own conventions.
+
+Expected values are published numbers (Narayanan et al. 2021 Table 1, Korthikanti et al. 2022 Table 5, Llama 3
+Table 4, DeepSeek-V3's GPU hours, NCCL's tuning constants, vendor-reported bus bandwidths), never the output of
+the code under test.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from scalebook import configs, planner
+from scalebook.accounting.flops import flops_per_token
+from scalebook.calibration import FIT_RUNS, RUNS, TOLERANCE
+from scalebook.system import FITTED, Cluster, TrainingLayout, fit, predict
+from scalebook.system.compute import attention_flops
+from scalebook.system.hardware import collective_time
+
+RUN = {r.name: r for r in RUNS}
+MEDIAN_TOLERANCE = 0.05  # stated beside TOLERANCE: the median |error| of the fitted runs
+
+
+def _error(run) -> float:
+    return fit.predicted_tflops(run, FITTED) / run.model_tflops - 1
+
+
+@pytest.mark.parametrize("run", FIT_RUNS, ids=lambda r: r.name)
+def test_every_fitted_run_is_predicted_within_the_stated_tolerance(run):
+    error = _error(run)
+    assert abs(error) <= TOLERANCE, f"{run.name}: predicted {error:+.1%} off the published throughput"
+
+
+def test_median_error_of_the_fitted_runs_is_within_five_percent():
+    assert statistics.median(abs(_error(r)) for r in FIT_RUNS) <= MEDIAN_TOLERANCE
+
+
+def test_deepseek_v3_is_kept_in_the_table_but_held_out_and_outside_the_goal():
+    run = RUN["DeepSeek-V3 671B"]
+    assert run.held_out and run not in FIT_RUNS
+    # If this fails, the model now explains DeepSeek-V3: bring it into the fit and restate the tolerance.
+    assert _error(run) > TOLERANCE
+
+
+def test_published_throughputs_convert_to_model_tflops_as_the_papers_define_them():
+    # Narayanan et al.'s 96 B s L h^2 (1 + s/6h + V/16Lh) counts recomputation; the model FLOPs are
+    # 72 B s L h^2 (1 + s/6h + V/12Lh). 1T row: h 25600, L 128, printed 163 TFLOP/s.
+    s, h, L, V = 2048, 25600, 128, 51200
+    ratio = 72 * (1 + s / (6 * h) + V / (12 * L * h)) / (96 * (1 + s / (6 * h) + V / (16 * L * h)))
+    assert RUN["Megatron-LM 1008B"].model_tflops == pytest.approx(163 * ratio, rel=2e-3)
+    assert RUN["Korthikanti 1T"].model_tflops == pytest.approx(0.563 * 312, rel=1e-9)
+    # Llama 3's Table 4: 430 TFLOP/s is 43 % "BF16 MFU" of the H100's 989 TFLOP/s.
+    assert round(100 * RUN["Llama 3 405B 8K, 8,192 GPUs"].model_tflops / 989) == 43
+    # DeepSeek-V3: 2,664K GPU hours for 14.8T tokens is the report's 180K hours per trillion tokens.
+    deepseek = RUN["DeepSeek-V3 671B"]
+    tokens_per_gpu_second = 14.8e12 / (2664e3 * 3600)
+    per_token = flops_per_token(deepseek.model, seq_len=4096)
+    assert deepseek.model_tflops == pytest.approx(tokens_per_gpu_second * per_token / 1e12, rel=2e-3)
+
+
+def test_refitting_reproduces_the_committed_parameters():
+    refit = fit.fit_params(FIT_RUNS)
+    for name, committed, fresh in zip(
+        ("matmul", "attention", "memory"), FITTED.as_tuple(), refit.as_tuple(), strict=True
+    ):
+        assert fresh == pytest.approx(committed, abs=3e-3), f"{name}_efficiency refits to {fresh}"
+
+
+@pytest.mark.parametrize("name", [r.name for r in FIT_RUNS if r.name != "Llama 3 405B 128K, 16,384 GPUs"])
+def test_leave_one_out_errors_stay_within_the_tolerance(name):
+    """A run the fit has not seen is predicted as well as the others (the 128K Llama run is the exception the
+    calibration table reports: it alone pins the fused-attention efficiency)."""
+    (row,) = fit.calibration_table([RUN[name]], FITTED, fitted=FIT_RUNS)
+    assert abs(row.leave_one_out_error) <= TOLERANCE
+
+
+def test_the_128k_run_alone_pins_the_fused_attention_efficiency():
+    """Left out, the 128K run is mispredicted by far more than the tolerance: no other run of the table uses a
+    fused kernel at a length where attention dominates. The calibration table shows this error; a second
+    long-context run in the table would make this test fail, and should."""
+    (row,) = fit.calibration_table([RUN["Llama 3 405B 128K, 16,384 GPUs"]], FITTED, fitted=FIT_RUNS)
+    assert abs(row.error) <= TOLERANCE < abs(row.leave_one_out_error)
+
+
+def test_nccl_ring_latency_charges_one_network_hop_per_node():
+    """NCCL tuning.cc (2.23-2.27): 8.4 us base + 3.4 us per NVLink step + 14.0 us per network step, 2 (nodes - 1)
+    network steps in a ring all-reduce. 16 ranks on 2 nodes, a 1-byte message: the bandwidth term is nil."""
+    cluster = Cluster("h100-sxm", 16)
+    expected = 8.4e-6 + (30 - 2) * 3.4e-6 + 2 * 14.0e-6
+    assert collective_time("all_reduce", 1, 16, per_domain=8, cluster=cluster) == pytest.approx(expected, rel=1e-3)
+
+
+def test_rings_reach_the_reported_bus_bandwidths():
+    """A large all-reduce's busbw, 2 (n-1)/n M / T: 8 H100s on NVLink ~370 GB/s (nccl-tests #212, ring); 2 DGX A100
+    with 8 HDR ports each ~192 GB/s (nccl #812), within 5 %."""
+    message = 8e9
+    for cluster, n, reported in (
+        (Cluster("h100-sxm", 8), 8, 370e9),
+        (Cluster("a100-sxm4-80gb", 16, nic_bandwidth=200e9 / 8), 16, 192e9),
+    ):
+        seconds = collective_time("all_reduce", message, n, per_domain=8, cluster=cluster)
+        assert 2 * (n - 1) / n * message / seconds == pytest.approx(reported, rel=0.05)
+
+
+def test_a_causal_kernel_executes_about_half_the_attention_of_the_mfu_convention():
+    """Llama 3.1 405B at 128K: attention is 57 % of the FLOPs in the MFU convention, about 40 % of what runs
+    (issue 33's figures, from 2 s n_h (d_qk + d_v) per token and layer against 2 W per token)."""
+    cfg, s = configs.get_model("llama-3.1-405b"), 131072
+    full = attention_flops(cfg, s, s, tp=1, causal=False) * cfg.n_layers * 3 / s
+    causal = attention_flops(cfg, s, s, tp=1, causal=True) * cfg.n_layers * 3 / s
+    total = flops_per_token(cfg, seq_len=s)
+    assert round(full / total, 2) == 0.57
+    assert round(causal / (total - full + causal), 2) == 0.40
+
+
+def _hand_built():
+    model = configs.llama_like(
+        "hand-built 70B",
+        vocab_size=128256,
+        d_model=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=16,
+        d_ff=28672,
+        max_seq_len=8192,
+    )
+    nvl72 = Cluster(
+        "b200",
+        144,
+        gpus_per_node=4,
+        nics_per_node=4,
+        nic_bandwidth=800e9 / 8,
+        nvlink_domain=72,
+        name="two GB200-NVL72-like racks",
+    )
+    hgx = Cluster("b200", 144, gpus_per_node=8, nics_per_node=8, nic_bandwidth=400e9 / 8, name="HGX B200")
+    return model, nvl72, hgx
+
+
+def test_predict_takes_a_hand_built_model_and_cluster_and_returns_every_field():
+    model, nvl72, _ = _hand_built()
+    layout = TrainingLayout(tp=8, pp=2, dp=9, micro_batch=1)
+    p = planner.predict(model, nvl72, layout, seq_len=8192, global_batch=72)
+    assert p.tokens_per_second == pytest.approx(72 * 8192 / p.step_time)
+    peak = configs.get_hardware("b200").peak("bf16")
+    assert p.mfu == pytest.approx(p.model_tflops_per_gpu * 1e12 / peak)
+    assert p.hfu > p.mfu  # selective recomputation reruns the scores
+    assert set(p.breakdown) == {"compute", "tp", "cp", "ep", "bubble", "pp", "dp", "optimizer"}
+    assert sum(p.breakdown.values()) == pytest.approx(p.step_time)
+    assert set(p.memory) == {"states", "activations", "logits", "temporary", "runtime", "fragmentation"}
+    assert p.feasible and p.reasons == ()
+
+
+def test_tensor_parallelism_over_16_gpus_is_cheap_in_an_nvl72_domain_and_dear_across_hgx_nodes():
+    model, nvl72, hgx = _hand_built()
+    layout = TrainingLayout(tp=16, pp=1, dp=9)
+    in_domain = predict(model, nvl72, layout, seq_len=8192, global_batch=72).breakdown["tp"]
+    across = predict(model, hgx, layout, seq_len=8192, global_batch=72).breakdown["tp"]
+    # A rail-aligned ring leaves each HGX node on its 8 NICs: 8 x 50 GB/s x 0.96 = 384 GB/s of bus bandwidth
+    # against NVLink 5's 900 GB/s x 0.79 = 715 GB/s per direction, so about 1.9x slower (not 16x: the ring
+    # does not cross one port), plus the network latency.
+    assert 1.5 < across / in_domain < 2.2
+
+
+def test_an_impossible_layout_is_refused_with_every_reason():
+    model, nvl72, _ = _hand_built()
+    with pytest.raises(ValueError) as info:
+        predict(model, nvl72, TrainingLayout(tp=3, pp=1, dp=7), seq_len=8192, global_batch=10)
+    message = str(info.value)
+    assert "GPUs" in message and "heads" in message and "global_batch" in message
+
+
+def test_a_layout_that_does_not_fit_says_why():
+    model, nvl72, _ = _hand_built()
+    p = predict(model, nvl72, TrainingLayout(tp=1, pp=1, dp=144, zero_stage=0), seq_len=8192, global_batch=144)
+    assert not p.feasible and "memory" in p.reasons[0]
+
+
+def test_the_system_model_imports_without_torch():
+    code = "import sys, scalebook.system, scalebook.calibration, scalebook.system.fit; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
