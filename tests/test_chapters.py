@@ -338,10 +338,13 @@ FOOTCITE = re.compile(r"\{footcite(?::\w+)?\}`([^`]+)`")
 
 def test_the_site_lists_the_works_each_page_cites_as_footnotes(book_html):
     """On the site the closing ``% footbibliography`` line is the footnote list (book/_ext/footbibliography_marker.py
-    expands it to sphinxcontrib-bibtex's directive): one footnote per work the page cites, none lost."""
+    expands it to sphinxcontrib-bibtex's directive, and the chapter's author-year links to {footcite} roles, see
+    scalebook.citations): one footnote per work the page cites, none lost."""
+    from scalebook.citations import to_site
+
     counts = {}
     for path in NOTEBOOKS:
-        cited = {key.strip() for keys in FOOTCITE.findall(markdown(path)) for key in keys.split(",")}
+        cited = {key.strip() for keys in FOOTCITE.findall(to_site(markdown(path))) for key in keys.split(",")}
         html = (book_html / "notebooks" / f"{path.stem}.html").read_text(encoding="utf8")
         counts[path.stem] = (len(cited), html.count('<aside class="footnote brackets"'))
     assert all(cited > 0 for cited, _ in counts.values()), counts

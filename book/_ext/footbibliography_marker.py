@@ -1,12 +1,13 @@
-"""A chapter's closing footnote list is written as the MyST comment ``% footbibliography``; the site expands it.
+"""The site's citations from a chapter's lab form: author-year links become ``{footcite}``, the lab's list footnotes.
 
-sphinxcontrib-bibtex's ``{footbibliography}`` directive lists a page's ``{footcite}`` works as footnotes. JupyterLab
-(jupyterlab-myst 2.7.0) knows no such directive and draws a red "Unknown Directive" box where it stands. So a
-chapter's "References" cell holds the line ``% footbibliography``, a MyST comment that JupyterLab renders as
-nothing, followed by a sentence linking to the bibliography page, which both render. At build time this extension
-turns each such line back into the directive, in Sphinx's ``source-read`` event: for a notebook, myst-nb parses
-the text that event hands on (the notebook's JSON), so the markdown cells are rewritten there and the page gets
-exactly the footnote list it had with the directive written out.
+A chapter stores its citations as JupyterLab (jupyterlab-myst 2.7.0, which resolves no key from a .bib) shows
+them: ``([Loshchilov and Hutter, 2019](#cite-loshchilov2019decoupled))``, and a References cell whose
+``% footbibliography`` comment line is followed by the works cited, up to ``% end of the works cited`` (see
+:mod:`scalebook.citations`, which writes both from book/references.bib). At build time this extension turns each
+run of citation links back into sphinxcontrib-bibtex's ``{footcite}`` role and the block from the marker line into
+the ``{footbibliography}`` directive, in Sphinx's ``source-read`` event: for a notebook, myst-nb parses the text
+that event hands on (the notebook's JSON), so the markdown cells are rewritten there and the page gets exactly the
+numbered citations and footnote list it had with the roles and the directive written out.
 
 Source: sphinxcontrib-bibtex, https://sphinxcontrib-bibtex.readthedocs.io/en/latest/usage.html#role-footcite;
 Sphinx's source-read event, https://www.sphinx-doc.org/en/master/extdev/event_callbacks.html#event-source-read
@@ -15,20 +16,19 @@ Sphinx's source-read event, https://www.sphinx-doc.org/en/master/extdev/event_ca
 from __future__ import annotations
 
 import json
-import re
 
-MARKER = "% footbibliography"
-DIRECTIVE = "```{footbibliography}\n```"
-MARKER_LINE = re.compile(r"^% footbibliography[ \t]*$", re.M)
+from scalebook.citations import MARKER, to_site
+
+LAB_FORM = (MARKER, "](#cite-")
 
 
 def expand_markdown(text: str) -> str:
-    """Markdown with each ``% footbibliography`` line replaced by the ``{footbibliography}`` directive."""
-    return MARKER_LINE.sub(DIRECTIVE, text)
+    """Markdown in the site's form: ``{footcite}`` roles and the ``{footbibliography}`` directive."""
+    return to_site(text)
 
 
 def expand_notebook(text: str) -> str:
-    """A notebook's JSON with the marker expanded in its markdown cells (unchanged text when it has none)."""
+    """A notebook's JSON with its markdown cells in the site's form (unchanged text when none changes)."""
     notebook = json.loads(text)
     changed = False
     for cell in notebook["cells"]:
@@ -42,7 +42,7 @@ def expand_notebook(text: str) -> str:
 
 
 def expand_marker(app, docname: str, source: list[str]) -> None:
-    if MARKER not in source[0]:
+    if not any(mark in source[0] for mark in LAB_FORM):
         return
     is_notebook = str(app.env.doc2path(docname)).endswith(".ipynb")
     source[0] = expand_notebook(source[0]) if is_notebook else expand_markdown(source[0])
