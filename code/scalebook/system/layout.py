@@ -30,6 +30,8 @@ class TrainingLayout:
     ``async_tp``: tensor-parallel collectives overlap the matmuls. ``overlap_p2p``: pipeline sends hidden in the
     steady state. ``grad_reduce_bytes``: 4 for fp32 gradient reduction (Megatron, Llama 3), 2 for bf16.
     ``matmul_dtype``: ``bf16`` or ``fp8`` (DeepSeek-V3). ``node_limit``: most nodes a token's experts span.
+    ``compute_share``: the share of the GPU's SMs left to compute kernels when communication kernels keep the
+    rest (DeepSeek-V3's DualPipe gives 20 of the H800's 132 SMs to all-to-all: 112/132).
     """
 
     tp: int
@@ -52,6 +54,7 @@ class TrainingLayout:
     matmul_dtype: str = "bf16"
     dispatch_bytes: int = 2
     node_limit: int | None = None
+    compute_share: float = 1.0
 
     @property
     def gpus(self) -> int:
@@ -74,6 +77,8 @@ class TrainingLayout:
         ):
             if value not in choices:
                 found.append(f"{name} must be one of {choices}, got {value!r}")
+        if not 0 < self.compute_share <= 1:
+            found.append(f"compute_share must be in (0, 1], got {self.compute_share!r}")
         if not found and (self.dp * self.cp) % self.ep:
             found.append(f"ep ({self.ep}) must divide dp * cp ({self.dp * self.cp})")
         if not found and self.virtual_stages > 1 and self.schedule != "interleaved":

@@ -95,22 +95,17 @@ def _pipeline(cfg, lay, seq_len, cluster, params, microbatches) -> tuple[float, 
     chunk_cost, most = busiest_stage([t.total for t in per_layer], head, chunks)
     stage = chunk_cost * lay.virtual_stages
     layers = min(cfg.n_layers, most * lay.virtual_stages)
-    share = stage / sum(t.total for t in per_layer[:layers])  # scales the typical layer's parts to the stage
     if lay.schedule == "dualpipe":
         pipe = (microbatches + lay.pp / 2 - 1) * stage
     elif lay.schedule == "gpipe":
         pipe = (microbatches + lay.pp - 1) * stage
     else:
         pipe = pipeline_step_time(lay.pp, microbatches, stage / 3, 2 * stage / 3, virtual_stages=lay.virtual_stages)
-    t = per_layer[-1]
-    parts = {
-        "compute": microbatches * share * layers * (t.forward + t.backward),
-        "tp": microbatches * share * layers * t.tp,
-        "cp": microbatches * share * layers * t.cp,
-        "ep": microbatches * share * sum(p.ep for p in per_layer[:layers]),
-    }
-    parts["bubble"] = pipe - microbatches * stage
+    # The stage's exposed TP, CP and EP time, in the proportions of its typical (last) layer.
+    typical = per_layer[-1]
+    parts = {k: microbatches * stage * getattr(typical, k) / typical.total for k in ("tp", "cp", "ep")}
     parts["compute"] = microbatches * stage - parts["tp"] - parts["cp"] - parts["ep"]
+    parts["bubble"] = pipe - microbatches * stage
     return pipe, parts, layers
 
 

@@ -97,12 +97,12 @@ def layer_time(
     )
     attn_f, attn_b = _attention_time(cfg, lay, n, s, cluster, params)
     elementwise = compute.elementwise_bytes(cfg, layer, n, tp=lay.tp, sp=lay.sp) / hbm
-    forward = matmuls + attn_f + elementwise
-    backward = 2 * matmuls + attn_b + 2 * elementwise
+    forward = (matmuls + attn_f + elementwise) / lay.compute_share
+    backward = (2 * matmuls + attn_b + 2 * elementwise) / lay.compute_share
     if lay.recompute == "full":
         backward += forward
     elif lay.recompute == "selective" and lay.attention == "explicit":
-        backward += attn_f
+        backward += attn_f / lay.compute_share
     message = n * cfg.d_model * 2
     tp = 0.0
     if lay.tp > 1:
@@ -154,7 +154,8 @@ def head_time(cfg: ModelConfig, lay: TrainingLayout, s: int, cluster: Cluster, p
     gpu, n = cluster.hardware, lay.micro_batch * s // lay.cp
     logits = compute.Matmul("LM head", n, cfg.d_model, cfg.vocab_size // lay.tp)
     matmul = 3 * compute.matmul_time(logits, gpu, lay.matmul_dtype, params)
-    return matmul + n * cfg.vocab_size / lay.tp * compute.LOGIT_BYTES / (gpu.hbm_bandwidth * params.memory_efficiency)
+    loss = n * cfg.vocab_size / lay.tp * compute.LOGIT_BYTES / (gpu.hbm_bandwidth * params.memory_efficiency)
+    return (matmul + loss) / lay.compute_share
 
 
 def busiest_stage(costs: list[float], head: float, chunks: int) -> tuple[float, int]:
