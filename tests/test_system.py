@@ -19,6 +19,7 @@ from scalebook.calibration import FIT_RUNS, RUNS, TOLERANCE
 from scalebook.system import FITTED, Cluster, TrainingLayout, fit, predict
 from scalebook.system.compute import attention_flops
 from scalebook.system.hardware import collective_time
+from scalebook.system.search import rank_layouts
 
 RUN = {r.name: r for r in RUNS}
 MEDIAN_TOLERANCE = 0.05  # stated beside TOLERANCE: the median |error| of the fitted runs
@@ -184,3 +185,13 @@ def test_the_system_model_imports_without_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_rank_layouts_returns_fitting_layouts_fastest_first_and_counts_the_rest():
+    model, nvl72, _ = _hand_built()
+    ranking = rank_layouts(model, nvl72, seq_len=8192, global_batch=72, virtual_stages=(1,), micro_batches=(1,))
+    times = [p.step_time for _, p in ranking.ranked]
+    assert times == sorted(times) and all(p.feasible for _, p in ranking.ranked)
+    assert ranking.rejected["does not fit in memory"] > 0  # TP1 PP1 keeps 70B of states on one GPU
+    layout, _ = ranking.best_matching(tp=8, pp=1)
+    assert layout.dp * layout.cp == 18

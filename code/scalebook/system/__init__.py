@@ -11,6 +11,7 @@ Pure Python (no torch), so the live calculators can run it in the browser as the
     predict    predict -> Prediction (also ``scalebook.planner.predict``), FITTED
     fit        fit_params, calibration_table, nelder_mead: the parameters fitted on
                ``scalebook.calibration.RUNS``, with leave-one-out errors
+    search     rank_layouts -> Ranking: every layout of a cluster, predicted and sorted by step time
 
 Source: the modules' own sources; the fit's runs are listed in :mod:`scalebook.calibration`.
 """
