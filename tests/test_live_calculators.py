@@ -6,8 +6,9 @@ with nothing but the standard library (no torch); a form's text gives what the k
 the build-time form labels every input and shows the Python result for its defaults; and, in headless
 Chromium with the network cut off, each chapter page opened from file:// and from a local web server
 answers changed inputs with the numbers ``accounting`` gives in Python, and an impossible input with the
-message Python raises. Pyodide loads only on demand: nothing under _static/live/ is requested before
-the reader touches a calculator.
+message Python raises, in the form's words (labels, units, the number typed). Pyodide loads only on demand:
+nothing under _static/live/ is requested before the reader touches a calculator. Keyboard focus stays in the
+form when it goes live; with JavaScript off the form is read-only and a note says why.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class RefuseNonStdlib:
             raise ImportError(f"{name} is not in the standard library")
 
 sys.meta_path.insert(0, RefuseNonStdlib())
-import scalebook.accounting, scalebook.configs, scalebook.planner, scalebook.widgets
+import scalebook.accounting, scalebook.configs, scalebook.planner, scalebook.system, scalebook.widgets
 from scalebook import widgets
 for name in ("memory", "training-time"):
     calculator = widgets.CALCULATORS[name]()
@@ -87,15 +88,47 @@ def test_form_text_gives_the_same_html_as_the_values(name):
     assert widgets.calculator_html(name, form) == calculator.html(**values)
 
 
-@pytest.mark.parametrize(("name", "field", "text", "message"), [
-    ("memory", "tp", "3", "tp must be one of 1, 2, 4, 8"),
-    ("training-time", "gpus", "10.5", "GPUs must be a whole number, got '10.5'"),
-    ("training-time", "mfu_percent", "lots", "MFU (%) must be a number, got 'lots'"),
-])  # fmt: skip
+# What a reader can type, and what the calculator says: the field as labelled, the value as typed, in its unit.
+BAD_FORM_TEXT = [
+    ("memory", "tp", "3", "tp must be one of 1, 2, 4, 8, 16, 32, 64, 128, got 3"),
+    ("memory", "pp", "1024", "pp (1024) must be at most the number of layers (96) of gpt3-175b"),
+    ("training-time", "gpus", "10.5", "GPUs must be a whole number, got 10.5"),
+    ("training-time", "gpus", "0", "GPUs must be at least 1, got 0"),
+    ("training-time", "mfu_percent", "150", "MFU (%) must be at most 100, got 150 %"),
+    ("training-time", "mfu_percent", "0", "MFU (%) must be more than 0, got 0 %"),
+    ("training-time", "mfu_percent", "lots", "MFU (%) must be a number, got lots"),
+    ("training-time", "mfu_percent", "", "MFU (%) needs a number: the field is empty or holds something that is not"),
+    ("training-time", "tokens_billions", "-5", "tokens (billions) must be more than 0, got -5 billion"),
+    ("training-time", "tokens_billions", "inf", "tokens (billions) must be a finite number, got inf"),
+    ("training-time", "deadline_days", "-0.5", "deadline (days) must be more than 0, got -0.5 days"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "field", "text", "message"), BAD_FORM_TEXT)
 def test_bad_form_text_shows_which_input_to_change(name, field, text, message):
     calculator = widgets.CALCULATORS[name]()
     form = {key: str(value) for key, value in calculator.defaults.items()} | {field: text}
-    assert html.escape(message) in widgets.calculator_html(name, form)
+    shown = widgets.calculator_html(name, form)
+    assert shown.startswith(f"<b>{calculator.error_title}:</b> ") and html.escape(message) in shown
+
+
+@pytest.mark.parametrize("name", ["memory", "training-time"])
+def test_no_form_input_reaches_the_package_error_in_package_words(name):
+    # Every number out of range and every choice of every input, one at a time from the defaults: an error names
+    # a label of the form, never the package's argument names or its units (a fraction for a percentage, tokens
+    # for billions of tokens).
+    calculator = widgets.CALCULATORS[name]()
+    labels = [control.label for control in calculator.controls.values()]
+    package_words = ("n_devices", "mfu ", "tokens must", "days must", "peak_flops", "seq_len must", "fraction")
+    for field, control in calculator.controls.items():
+        texts = [str(option) for option in control.options] or ["0", "-5", "150", "1e30", "0.5", "", "x"]
+        for text in texts:
+            form = {key: str(value) for key, value in calculator.defaults.items()} | {field: text}
+            shown = widgets.calculator_html(name, form)
+            if shown.startswith(f"<b>{calculator.error_title}:</b>"):
+                message = html.unescape(shown.split("</b> ", 1)[1])
+                assert any(message.startswith(label) for label in labels), (field, text, message)
+                assert not any(word in message for word in package_words), (field, text, message)
 
 
 def test_a_run_shorter_than_a_day_reads_in_hours_and_one_gpu_is_singular():
@@ -113,8 +146,8 @@ def test_the_training_time_panel_recomputes_when_a_control_changes():
     assert result.value == widgets.training_time_html(**values)
     days = accounting.training_days(configs.get_model("gpt3-175b"), 300e9, 2048, 312e12, 0.4, seq_len=2048)
     assert f"{days:,.1f} days" in result.value
-    controls["MFU (%)"].value = 120.0  # the panel shows the error, it does not raise
-    assert "Cannot estimate:" in result.value and "mfu is a fraction of peak, at most 1" in result.value
+    controls["MFU (%)"].value = 120.0  # the panel shows the error in the form's words, it does not raise
+    assert result.value == "<b>Cannot estimate:</b> MFU (%) must be at most 100, got 120 %"
 
 
 def test_unknown_calculator_is_a_value_error():
@@ -200,7 +233,7 @@ def error_case(function, **inputs):
 
 @functools.cache
 def cases():
-    """(calculator, inputs, texts the result must contain), several per calculator, one of them impossible."""
+    """(calculator, inputs, texts the result must contain), several per calculator, some impossible."""
     memory = [
         memory_case(model="llama-3-70b", precision="mixed", zero_stage=3, dp=64),
         memory_case(
@@ -216,6 +249,7 @@ def cases():
             gpu="h200",
         ),  # fmt: skip
         error_case(widgets.memory_per_gpu, model="gpt3-175b", tp=64),
+        error_case(widgets.memory_per_gpu, model="llama-3-70b", pp=1024),  # more stages than its 80 layers
     ]
     training = [
         training_time_case(
@@ -228,6 +262,7 @@ def cases():
             widgets.training_time_html,
             **widgets.training_time_inputs().defaults | {"gpu": "v100-sxm2-32gb", "dtype": "fp8"},
         ),  # fmt: skip
+        ({"mfu_percent": 150.0}, ["MFU (%) must be at most 100, got 150 %"]),  # the form's words, not the package's
     ]
     plans = [
         planner_case(model="llama-3-8b", nodes=4, seq_len=8192, batch_tokens=2**22),
@@ -417,3 +452,45 @@ def test_if_pyodide_cannot_load_the_static_values_stay_with_a_note(browser, orig
         assert browser.evaluate(f"{form_js('memory')}.querySelector('.live-result').innerHTML") == static
     finally:
         browser._is_local = original
+
+
+@pytest.mark.browser
+def test_make_it_live_keeps_focus_in_the_form_and_a_typed_non_number_is_named(browser, origins):
+    name, form = "training-time", form_js("training-time")
+    browser.open(f"{origins['http']}/{PAGES[name]}")
+    # With the script running, the form is editable, offers the button and has no no-JavaScript note.
+    assert browser.evaluate(f"[{form}.querySelector('.live-inputs').disabled, !!{form}.querySelector('.live-nojs'), "
+                            f"{form}.querySelector('.live-offer').hidden]") == [False, False, False]  # fmt: skip
+    browser.evaluate(f"{form}.querySelector('.live-start').focus()")
+    for kind in ("keyDown", "keyUp"):  # Enter on "Make it live": the button goes, focus must not go to the page's top
+        key = {"type": kind, "key": "Enter", "code": "Enter", "windowsVirtualKeyCode": 13, "text": "\r"}
+        browser.call("Input.dispatchKeyEvent", key)
+    assert browser.wait_for(f"Number({form}.dataset.computed) > 0", LOAD_TIMEOUT_S), browser.errors
+    focused = "(e => e === document.body ? 'the page' : e.closest('form.live-calculator') ? e.name : e.outerHTML)"
+    assert browser.evaluate(f"{focused}(document.activeElement)") == "model"  # the form's first input
+    # A reader types "1e" into the MFU field: a number field then holds no number and the form sends "".
+    browser.evaluate(f"(f => {{ f.value = ''; f.focus(); }})({form}.elements.mfu_percent)")
+    browser.call("Input.insertText", {"text": "1e"})
+    assert browser.evaluate(f"{form}.elements.mfu_percent.validity.badInput") is True
+    before = computed(browser, name)
+    browser.evaluate(f"{form}.elements.mfu_percent.dispatchEvent(new Event('change', {{bubbles: true}}))")
+    assert browser.wait_for(f"Number({form}.dataset.computed) > {before}", LOAD_TIMEOUT_S), browser.errors
+    text = browser.evaluate(f"{form}.querySelector('.live-result').innerText")
+    assert text == "Cannot estimate: MFU (%) needs a number: the field is empty or holds something that is not a number"
+    assert browser.errors == []
+
+
+@pytest.mark.browser
+def test_with_javascript_off_the_form_is_read_only_and_says_why(browser, origins):
+    browser.call("Emulation.setScriptExecutionDisabled", {"value": True})
+    try:
+        browser.open(f"{origins['http']}/{PAGES['memory']}")
+        note, shown, disabled, offer_hidden = browser.evaluate(f"""(f => {{
+          const note = f.querySelector('.live-nojs');
+          return [note ? note.innerText : null, note ? note.getBoundingClientRect().height > 0 : false,
+                  f.querySelector('.live-inputs').disabled, f.querySelector('.live-offer').hidden];
+        }})({form_js("memory")})""")
+    finally:
+        browser.call("Emulation.setScriptExecutionDisabled", {"value": False})
+    assert shown and "computed when the book was built" in note and "needs JavaScript" in note, note
+    assert disabled and offer_hidden  # nothing to edit, no button that would do nothing

@@ -3,7 +3,8 @@
 A notebook code cell whose metadata has ``"live_calculator": "<name>"`` (a key of
 ``scalebook.widgets.CALCULATORS``) shows, in the book, a web form instead of the frozen ipywidget it
 printed: the same inputs, labelled, and the result for the default inputs, computed here at build time
-by the same function. The page reads normally with no JavaScript. The first time the reader changes
+by the same function. The page reads normally with no JavaScript (the inputs are then read-only and a note
+says why). The first time the reader changes
 an input (or presses the button), _static/live_calculators.js starts Pyodide (CPython compiled to
 WebAssembly, vendored in book/_vendor/pyodide) in a Web Worker, so the page never freezes, and calls
 ``scalebook.widgets.calculator_html`` there on every change. Only pages with a calculator load that
@@ -39,9 +40,9 @@ logger = logging.getLogger(__name__)
 
 VENDOR = Path(__file__).resolve().parent.parent / "_vendor" / "pyodide"
 PACKAGE = Path(widgets.__file__).resolve().parent
-# What the calculators import: widgets, and through it accounting, configs and planner. Each must import
-# without torch (tests/test_live_calculators.py checks it).
-PURE_MODULES = ("__init__.py", "widgets.py", "configs.py", "planner.py", "accounting/*.py")
+# What the calculators import: widgets, and through it accounting, configs, planner and the system model that
+# the planner's predict comes from. Each must import without torch (tests/test_live_calculators.py checks it).
+PURE_MODULES = ("__init__.py", "widgets.py", "configs.py", "planner.py", "accounting/*.py", "system/*.py")
 SCRIPTS = ("pyodide.js", "pyodide.asm.js")  # embedded as text: the worker is built from it
 BINARIES = ("pyodide.asm.wasm", "python_stdlib.zip", "pyodide-lock.json")  # embedded as base64
 MARKER = "live-calculator"
@@ -71,23 +72,36 @@ def _control_html(calculator: str, name: str, control: widgets.Control) -> str:
         )
         return f'<div class="live-field">{label}<select id="{field_id}" name="{name}">{options}</select></div>'
     step = "1" if isinstance(control.default, int) else "any"
+    bounds = "".join(
+        f' {attribute}="{value:g}"'
+        for attribute, value in (("min", control.minimum), ("max", control.maximum))
+        if value is not None
+    )
     return (
         f'<div class="live-field">{label}<input type="number" id="{field_id}" name="{name}" '
-        f'value="{control.default}" step="{step}"></div>'
+        f'value="{control.default}" step="{step}"{bounds}></div>'
     )
 
 
 def calculator_form(name: str) -> str:
-    """The calculator's HTML: its labelled inputs, a status line, and the result for the default inputs."""
+    """The calculator's HTML: its labelled inputs, a status line, and the result for the default inputs.
+
+    As built, the inputs are disabled, the "Make it live" button hidden, and a note says that the values are the
+    ones computed when the book was built and that the form needs JavaScript: what a reader sees with JavaScript
+    off (or the script blocked). live_calculators.js removes the note, enables the inputs and shows the button.
+    """
     calculator = widgets.CALCULATORS[name]()
     fields = "".join(_control_html(name, field, control) for field, control in calculator.controls.items())
     return (
         f'<form class="{MARKER}" data-calculator="{name}" data-state="static" data-computed="0" '
         f'aria-label="{html.escape(name.replace("-", " "))} calculator">'
-        f'<div class="live-fields">{fields}</div>'
-        '<p class="live-status" role="status">Values for the inputs above, computed when the book was built. '
-        '<button type="button" class="live-start">Make it live</button> '
-        "(runs the book's own Python in this page; about 16 MB, loaded once)</p>"
+        f'<fieldset class="live-inputs" disabled><div class="live-fields">{fields}</div></fieldset>'
+        '<p class="live-nojs">The values below were computed when the book was built, for the inputs shown. '
+        "Changing the inputs needs JavaScript, which is off (or blocked) in this browser, so the form is "
+        "read-only.</p>"
+        '<p class="live-status" role="status" tabindex="-1">Values for the inputs above, computed when the book '
+        'was built.<span class="live-offer" hidden> <button type="button" class="live-start">Make it live</button> '
+        "(runs the book's own Python in this page; about 16 MB, loaded once)</span></p>"
         f'<div class="live-result" aria-live="polite">{calculator.html(**calculator.defaults)}</div></form>'
     )
 

@@ -4,7 +4,9 @@
 // Web Worker so that the page never freezes, with scalebook's pure-Python modules, and every change
 // calls scalebook.widgets.calculator_html(name, form), the function the notebooks' ipywidgets use too,
 // and shows the HTML it returns (a rejected input shows Python's error message). If Pyodide cannot
-// start, the form goes back to the inputs of the values the book was built with, and a note says why.
+// start, the form goes back to the inputs of the values the book was built with, read-only, and a note says
+// why. The built form is read-only with a note that it needs JavaScript; wire() enables it. Focus stays in
+// the form: pressing "Make it live" moves it to the first input, a failure to the status note.
 //
 // A page opened from file:// can neither fetch() a file nor start a worker from one, but it can load
 // scripts: each file comes as a script that assigns its text (base64 for binary files) to
@@ -122,8 +124,20 @@
     const status = form.querySelector(".live-status");
     const result = form.querySelector(".live-result");
     const button = form.querySelector(".live-start");
+    const inputs = form.querySelector(".live-inputs");
     let busy = false;
     let again = false;
+
+    // As built, the inputs are disabled and a note says the form needs JavaScript; it runs now.
+    form.querySelector(".live-nojs").remove();
+    form.querySelector(".live-offer").hidden = false;
+    inputs.disabled = false;
+
+    function dropButton() { // removing the focused button would send focus to the top of the page
+      const hadFocus = document.activeElement === button;
+      button.remove();
+      if (hadFocus) inputs.querySelector("input, select").focus();
+    }
 
     function show(state, message) {
       form.dataset.state = state;
@@ -143,7 +157,10 @@
         form.reset(); // the static result is for the built-in inputs
         show("failed", `The calculator could not start (${error.message}); the values shown are the ones ` +
           "computed when the book was built, for the inputs shown.");
-        button.remove();
+        const hadFocus = form.contains(document.activeElement);
+        if (button.isConnected) button.remove();
+        inputs.disabled = true; // changing them would do nothing now
+        if (hadFocus) status.focus(); // the note, not the top of the page
         return;
       }
       show("computing", "Computing…");
@@ -177,7 +194,7 @@
 
     form.addEventListener("change", update);
     form.addEventListener("submit", (event) => { event.preventDefault(); update(); });
-    button.addEventListener("click", () => { button.remove(); update(); });
+    button.addEventListener("click", () => { dropButton(); update(); });
   }
 
   document.querySelectorAll("form.live-calculator").forEach(wire);

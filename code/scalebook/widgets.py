@@ -16,6 +16,7 @@ Source: ipywidgets documentation, "Using Interact" and "Output widgets".
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -27,17 +28,32 @@ from scalebook.configs import ModelConfig
 
 @dataclass(frozen=True)
 class Control:
-    """One input of a calculator: a choice among ``options``, a checkbox (a bool default) or a number."""
+    """One input of a calculator: a choice among ``options``, a checkbox (a bool default) or a number.
+
+    A number's range is the form's: ``above`` (exclusive) or ``minimum``, and ``maximum``, in the units of the
+    label, which ``unit`` repeats after a value that a message quotes ("got 150 %"). The calculator checks its
+    inputs against them before it calls the package, so that a reader's mistake is told in the form's words (the
+    label, the unit, the number typed), not in the package's (``mfu``, a fraction, ``1.5``).
+    """
 
     label: str
     default: object
     options: tuple = ()
+    above: float | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    unit: str = ""
 
     @property
     def kind(self) -> str:
         if isinstance(self.default, bool):
             return "checkbox"
         return "choice" if self.options else "number"
+
+    def echo(self, value) -> str:
+        """``value`` as the form shows it, with the unit: ``150 %``, ``-5 billion``, ``0``."""
+        text = f"{value:g}" if isinstance(value, float) else str(value)
+        return f"{text} {self.unit}" if self.unit else text
 
     def parse(self, text: str):
         """The value that a web form's text for this input stands for (a form sends every value as text)."""
@@ -47,13 +63,30 @@ class Control:
             for option in self.options:
                 if str(option) == text:
                     return option
-            raise ValueError(f"{self.label} must be one of {', '.join(map(str, self.options))}, got {text!r}")
+            raise ValueError(f"{self.label} must be one of {', '.join(map(str, self.options))}, got {text}")
         number = type(self.default)
+        what = "a whole number" if number is int else "a number"
+        if not text.strip():  # a number field sends "" when it is empty or holds something that is not a number
+            raise ValueError(f"{self.label} needs {what}: the field is empty or holds something that is not a number")
         try:
-            return number(text)
+            value = number(text)
         except ValueError:
-            what = "a whole number" if number is int else "a number"
-            raise ValueError(f"{self.label} must be {what}, got {text!r}") from None
+            raise ValueError(f"{self.label} must be {what}, got {text.strip()}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{self.label} must be a finite number, got {text.strip()}")
+        return value
+
+    def problem(self, value) -> str | None:
+        """What is wrong with ``value`` for this input's range, in the form's words (None when nothing is)."""
+        if self.kind != "number":
+            return None
+        if self.above is not None and not value > self.above:
+            return f"{self.label} must be more than {self.above:g}, got {self.echo(value)}"
+        if self.minimum is not None and not value >= self.minimum:
+            return f"{self.label} must be at least {self.minimum:g}, got {self.echo(value)}"
+        if self.maximum is not None and not value <= self.maximum:
+            return f"{self.label} must be at most {self.maximum:g}, got {self.echo(value)}"
+        return None
 
     def widget(self):
         """The ipywidgets control for this input."""
@@ -85,8 +118,13 @@ class Calculator:
         return {name: control.default for name, control in self.controls.items()}
 
     def html(self, **values) -> str:
-        """The result for these input values, or the error that they raise."""
+        """The result for these input values; or what is wrong with them, out of each input's range in the
+        form's words, else as the package's ValueError says it."""
+        problems = [problem for name, control in self.controls.items()
+                    if name in values and (problem := control.problem(values[name]))]  # fmt: skip
         try:
+            if problems:
+                raise ValueError("; ".join(problems))
             return self.render(**values)
         except ValueError as error:
             return self._error_html(error)
@@ -265,8 +303,11 @@ def training_time_html(
     ``accounting.training_days`` and ``accounting.devices_needed`` with the attention-aware FLOPs per token
     at ``seq_len``, at ``mfu_percent`` of the GPU's dense peak in ``dtype``; no recomputation.
     """
-    cfg = configs.get_model(model)
-    peak = configs.get_hardware(gpu).peak(dtype)
+    cfg, device = configs.get_model(model), configs.get_hardware(gpu)
+    if dtype not in device.peak_flops:  # said in the form's words: the "peak dtype" input, the GPU's name
+        raise ValueError(f"peak dtype {dtype} is not one that the {gpu} has a peak for; choose one of "
+                         f"{', '.join(device.peak_flops)}")  # fmt: skip
+    peak = device.peak(dtype)
     tokens, mfu = tokens_billions * 1e9, mfu_percent / 100
     days = accounting.training_days(cfg, tokens, gpus, peak, mfu, seq_len=seq_len)
     needed = accounting.devices_needed(cfg, tokens, deadline_days, peak, mfu, seq_len=seq_len)
@@ -293,10 +334,10 @@ def training_time_inputs(model: str = "gpt3-175b", gpu: str = "a100-sxm4-80gb") 
         "gpu": Control("GPU", gpu, tuple(configs.list_hardware())),
         "dtype": Control("peak dtype", "bf16", ("fp32", "tf32", "bf16", "fp16", "fp8")),
         "seq_len": Control("sequence", 2048, tuple(2**k for k in range(9, 18))),
-        "tokens_billions": Control("tokens (billions)", 300.0),
-        "gpus": Control("GPUs", 1024),
-        "mfu_percent": Control("MFU (%)", 40.0),
-        "deadline_days": Control("deadline (days)", 30.0),
+        "tokens_billions": Control("tokens (billions)", 300.0, above=0, unit="billion"),
+        "gpus": Control("GPUs", 1024, minimum=1),
+        "mfu_percent": Control("MFU (%)", 40.0, above=0, maximum=100, unit="%"),
+        "deadline_days": Control("deadline (days)", 30.0, above=0, unit="days"),
     }
     return Calculator(controls, training_time_html, "Cannot estimate")
 
