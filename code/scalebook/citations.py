@@ -7,7 +7,7 @@ in JupyterLab. A chapter therefore stores what the lab shows, its *lab form*, an
 - a citation is a link whose text is the work's author-year label (its year alone right after the authors' names
   in the prose) and whose target is ``#cite-<key>``:
   ``([Loshchilov and Hutter, 2019](#cite-loshchilov2019decoupled))``, several in one pair of parentheses joined
-  by ``; ``; inside prose that is already in parentheses, the links stand without their own. The site reads
+  by semicolons; inside prose that is already in parentheses, the links stand without their own. The site reads
   each run of such links (with its parentheses) as one ``{footcite}`key1,key2```.
 - the chapter's References cell holds, after its ``% footbibliography`` line, the works it cites in the order
   first cited, each a paragraph labelled ``(cite-<key>)=`` (the target of the links above), up to the line
