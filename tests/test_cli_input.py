@@ -324,3 +324,25 @@ def test_a_refused_layout_under_a_torchrun_started_by_hand_is_one_message_and_ex
     tracebacks = finished.stderr.split("Traceback (most recent call last):")[1:]
     assert len(tracebacks) == 1 and "ChildFailedError" in tracebacks[0]  # torchrun's, no rank's
     assert "exitcode  : 1" not in finished.stderr and "exitcode  : 2" in finished.stderr
+
+
+# ----- 8. torchrun told to stop, as the sbatch scripts run it -------------------------------------------------
+
+
+def test_torchrun_as_the_sbatch_scripts_run_it_passes_a_stop_on_and_ends_without_a_traceback(tmp_path, monkeypatch):
+    # The issue: each preemption left torchrun's 25-line SignalException traceback and a warning per rank in a job
+    # log whose run succeeded, and torchrun's exit code 1. scalebook.train.torchrun is torchrun ending such a stop
+    # quietly: rank 0's line alone, and exit code 0 once the ranks have stopped by themselves.
+    monkeypatch.setenv("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")  # as slurm/*.sbatch set it
+    ckpt = tmp_path / "ckpt"
+    command = [sys.executable, "-m", "scalebook.train.torchrun", "--standalone", "--nproc-per-node=2",
+               "-m", "scalebook.train", *LONG, "--strategy", "ddp", "--checkpoint-dir", str(ckpt)]  # fmt: skip
+    with Launched(command) as run:
+        run.wait_for("stdout", '"step": 1,')
+        run.proc.send_signal(signal.SIGUSR1)  # as the scripts' trap passes it on
+        _, err = run.finish()
+    saved = checkpoint.latest_step(ckpt)
+    assert run.proc.returncode == 0, err
+    assert saved is not None and checkpoint.newest_intact(ckpt) == (saved, []), err
+    said = [line for line in err.splitlines() if line.strip()]
+    assert said == [f"stopping at step {saved} on SIGUSR1: checkpoint saved in {ckpt}; continue with --resume"], err

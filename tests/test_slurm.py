@@ -2,8 +2,9 @@
 GPU nodes on this machine). The tests vary only what the scripts document as user settings: the number
 of ranks per node (CPUs here, not GPUs), the training arguments and the virtual environment.
 
-Needs SLURM and munge, and root (the cluster edits /etc/hosts): without them the cluster's tests skip, and
-fail under CI=true, which installs SLURM and runs as root (tests/_skips.py)."""
+Needs SLURM, munge, slurmdbd and MariaDB (the cluster's accounting, which `sacct` reads), and root (the cluster
+edits /etc/hosts): without them the cluster's tests skip, and fail under CI=true, which installs them and runs as
+root (tests/_skips.py)."""
 
 import json
 import os
@@ -30,17 +31,27 @@ def test_cluster_down_stops_every_daemon_it_started_and_removes_its_files(cluste
     # The issue: `make cluster-down` left the munged that `cluster-up` started running, and its folder behind.
     # A second cluster (own ports, own munged socket, own /etc/hosts line) beside the module's shared one, which
     # must keep running when this one goes down.
+    # With accounting, as `make cluster-up` starts it: MariaDB and slurmdbd must stop too.
     workdir = tmp_path / "scalebook-slurm"
-    second = LocalCluster(workdir, controller_port=16937, node_port=17121)
+    second = LocalCluster(workdir, controller_port=16937, node_port=17121, accounting=True)
 
-    def ours() -> str:  # every process of this cluster names its workdir on its command line
-        return subprocess.run(["pgrep", "-a", "-f", str(workdir)], capture_output=True, text=True).stdout
+    def ours() -> str:  # every process of this cluster names its workdir: on its command line, or in SLURM_CONF
+        found = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                cmdline, environ = (proc / "cmdline").read_bytes(), (proc / "environ").read_bytes()
+            except OSError:  # gone meanwhile
+                continue
+            if str(workdir).encode() in cmdline + environ:
+                found.append(cmdline.replace(b"\0", b" ").decode())
+        return "\n".join(found)
 
     try:
         second.up()
         started = ours()
-        for daemon in ("munged", "slurmctld", "slurmd -N n1", "slurmd -N n2"):
+        for daemon in ("munged", "slurmctld", "slurmd -N n1", "slurmd -N n2", "slurmdbd", "mariadbd"):
             assert daemon in started
+        assert second.run("sacctmgr", "-n", "-P", "list", "cluster", "format=Cluster").stdout.split() == ["scalebook"]
         assert second.munge_socket.exists() and str(workdir) in Path("/etc/hosts").read_text()
         # As `make cluster-down` runs it: only the workdir, the ports come from the files up() wrote.
         down = subprocess.run([sys.executable, "-m", "scalebook.cluster", "down", "--workdir", str(workdir)],
@@ -58,9 +69,9 @@ def test_cluster_down_stops_every_daemon_it_started_and_removes_its_files(cluste
 def require_slurm() -> None:
     """Skip (fail under CI=true) unless the daemons and clients LocalCluster.up() starts are installed and this
     is root; up() itself raises ClusterError for either, which would be an error here, not a skip."""
-    missing = [d for d in ("slurmctld", "slurmd", "munged", "sbatch", "scontrol")
+    missing = [d for d in ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "slurmdbd", "mariadbd", "sacct")
                if not shutil.which(d) and not Path("/usr/sbin", d).exists()]  # fmt: skip
-    require(not missing, f"SLURM ({', '.join(missing)})", "apt-get install -y slurm-wlm munge")
+    require(not missing, f"SLURM ({', '.join(missing)})", "apt-get install -y slurm-wlm munge slurmdbd mariadb-server")
     require(os.geteuid() == 0, "root", "the local cluster starts daemons and edits /etc/hosts: run the tests as root")
 
 
@@ -68,7 +79,8 @@ def require_slurm() -> None:
 def cluster(tmp_path_factory):
     require_slurm()
     # Ports away from the readers' `make cluster-up` defaults, so a running reader cluster does not clash.
-    local = LocalCluster(tmp_path_factory.mktemp("slurm"), controller_port=16917, node_port=17101)
+    # With accounting (MariaDB and slurmdbd, as `make cluster-up` starts it): the tests read `sacct`.
+    local = LocalCluster(tmp_path_factory.mktemp("slurm"), controller_port=16917, node_port=17101, accounting=True)
     with local:
         yield local
 
@@ -229,23 +241,75 @@ def stopped_at(log: str) -> int:
     return int(re.search(r"stopping at step (\d+) on SIGUSR1: checkpoint saved", log).group(1))
 
 
-def test_a_job_signalled_before_its_time_limit_saves_requeues_itself_and_ends_as_if_never_stopped(cluster, tmp_path):
+def what_the_log_says(log: str) -> list[str]:
+    """The log's lines other than the metrics and each run's first line, after checking that it holds no traceback
+    and no launcher's noise (the issue: 25 lines of torchrun's SignalException traceback and its warnings for each
+    stop; srun's errors for the torchrun that exited with 1)."""
+    for noise in ("Traceback", "SignalException", "closing signal", "death signal", "srun: error"):
+        assert noise not in log, log
+    return [line for line in log.splitlines() if not line.startswith("{") and "(restart " not in line]
+
+
+def requeued_by_slurm(line: str, job: str) -> bool:
+    """SLURM's own line for a run that a requeue ended (the job goes on): slurmstepd's, which no script can omit."""
+    return re.fullmatch(rf"slurmstepd-n\d: error: \*\*\* JOB {job} ON n\d CANCELLED AT \S+ DUE TO JOB REQUEUE \*\*\*",
+                        line) is not None  # fmt: skip
+
+
+def until_logged(tmp_path, step: int, timeout: float = 90.0) -> None:
+    metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + timeout
+    while len(metrics.read_text().splitlines()) < step and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_a_job_stopped_at_its_time_limit_then_preempted_ends_as_if_never_stopped_with_a_clean_log(cluster, tmp_path):
+    # Run 1: SIGUSR1 before the time limit: the job saves and requeues itself. Run 2: preempted, as SLURM's
+    # PreemptMode=REQUEUE does it: SIGTERM to every process of the job, SIGKILL KillWait (30) s later, requeued.
     job = stop_mid_run(cluster, tmp_path, "train_single_node.sbatch", LONG)
     # SLURM holds a requeued job back ~2 minutes; start it in 2 s instead, not now: slurmd refuses a job's launch
     # credential created in the same second as the kill that revoked the first run's ("Job credential revoked").
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now+2")
+    first = stopped_at(logs_and_records(tmp_path)[0])
+    until_logged(tmp_path, first + 2)  # the second run has trained a step
+    cluster.run("scontrol", "requeue", job)
+    cluster.wait_for(job, ("PENDING",), timeout=60)
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now+2")
     info = cluster.wait_for(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=90)
     log, records = logs_and_records(tmp_path)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1" and info["ExitCode"] == "0:0", (
-        diagnosis(cluster, info, log))
-    # The trap passed the signal on; the ranks saved where they stopped; the job requeued itself and came back.
-    assert "SIGUSR1: the ranks finish their step, save and stop" in log and "requeued, to resume from" in log
-    assert "(restart 0): 2 ranks" in log and "(restart 1): 2 ranks" in log
-    assert 1 <= stopped_at(log) < 30
-    # Every step logged once: the second attempt began right after the saved step, not at 0 nor one later.
+    ended = (info["JobState"], info["Restarts"], info["ExitCode"])
+    assert ended == ("COMPLETED", "2", "0:0"), diagnosis(cluster, info, log)
+    assert "(restart 0): 2 ranks" in log and "(restart 1): 2 ranks" in log and "(restart 2): 2 ranks" in log
+    # Each stop in a line of rank 0's and one of the job's (the signal, where it saved); SLURM adds its requeue line.
+    second = int(re.findall(r"stopping at step (\d+) on SIGTERM", log)[0])
+    ckpt = tmp_path / "checkpoints" / "scalebook"
+    said = what_the_log_says(log)
+    assert [line for line in said if not requeued_by_slurm(line, job)] == [
+        f"stopping at step {first} on SIGUSR1: checkpoint saved in {ckpt}; continue with --resume",
+        f"job {job}: stopped on SIGUSR1 before the time limit; requeued, to resume from {ckpt}",
+        f"stopping at step {second} on SIGTERM: checkpoint saved in {ckpt}; continue with --resume",
+        f"job {job}: stopped on SIGTERM; --resume continues from {ckpt}",
+    ], log
+    assert 1 <= len(said) - 4 <= 2, log
+    assert 1 <= first < second < 30
+    # Every step logged once: each run began right after the saved step, not at 0 nor one later.
     assert [r["step"] for r in records] == list(range(1, 31))
     # Same ranks, data and state: bit for bit the losses of a run that was never stopped.
     assert [r["loss"] for r in records] == direct_torchrun(2, LONG)
+    # Accounting saw it all: each run cut short is REQUEUED, the last COMPLETED; one job id throughout.
+    runs = wait_for_sacct(cluster, job)
+    assert [(r["JobID"], r["State"]) for r in runs] == [(job, "REQUEUED")] * 2 + [(job, "COMPLETED")], runs
+    assert runs[-1]["ExitCode"] == "0:0"
+
+
+def wait_for_sacct(cluster, job: str, timeout: float = 20.0) -> list[dict]:
+    """``sacct``'s runs of ``job`` once the controller has sent the last one's end to slurmdbd (asynchronously)."""
+    deadline, runs = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        runs = cluster.sacct(job)
+        if runs and runs[-1]["State"] not in ("RUNNING", "PENDING"):
+            return runs
+        time.sleep(0.5)
+    return runs
 
 
 def test_a_two_node_job_stopped_mid_run_resumes_on_one_node(cluster, tmp_path):
@@ -260,6 +324,14 @@ def test_a_two_node_job_stopped_mid_run_resumes_on_one_node(cluster, tmp_path):
     assert code == 0, log
     assert "(restart 0): 2 nodes x 2 ranks" in log and "(restart 0): 1 nodes x 2 ranks" in log
     step = stopped_at(log)
+    ckpt = tmp_path / "checkpoints" / "scalebook-multinode"
+    # One line of rank 0's, one of the job's, SLURM's requeue line: no torchrun traceback on either node, and no srun
+    # errors (each node's torchrun exits 0 once its ranks have stopped by themselves).
+    said = [line for line in what_the_log_says(log) if not requeued_by_slurm(line, job)]
+    assert said == [
+        f"stopping at step {step} on SIGUSR1: checkpoint saved in {ckpt}; continue with --resume",
+        f"job {job}: stopped on SIGUSR1 before the time limit; requeued, to resume from {ckpt}",
+    ], log
     assert [r["step"] for r in records] == list(range(1, 31))
     assert [r["world_size"] for r in records] == [4] * step + [2] * (30 - step)
     # Four ranks sum the gradients in another order than two: float32 rounding, which the AdamW steps carry forward

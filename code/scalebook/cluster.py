@@ -12,16 +12,18 @@ which :meth:`LocalCluster.env` supplies. From a shell: ``python -m scalebook.clu
 The emulated nodes ``n1`` and ``n2`` both run on this host (Debian's SLURM allows several ``slurmd``
 on one machine, each on its own port). Each declares 4 GPUs backed by empty files, in a partition named
 ``gpu``, so a batch script written for a GPU cluster (``#SBATCH --gres=gpu:4``) is accepted unchanged;
-the ranks it starts see no CUDA device and fall back to gloo on the CPU. There are no cgroups and no
-accounting database: jobs are tracked by process (``proctrack/linuxproc``), ``sbatch --wait`` reports
-their exit codes and ``scontrol show job`` their state. :meth:`LocalCluster.submit` and
+the ranks it starts see no CUDA device and fall back to gloo on the CPU. There are no cgroups: jobs are tracked
+by process (``proctrack/linuxproc``); ``sbatch --wait`` reports their exit codes and ``scontrol show job`` their
+state until the controller forgets them. ``LocalCluster(workdir, accounting=True)`` (``python -m scalebook.cluster
+up`` starts it so) adds accounting, a MariaDB server and ``slurmdbd`` (:mod:`scalebook.cluster_accounting`), so that
+``sacct`` (:meth:`LocalCluster.sacct`) keeps every run of every job. :meth:`LocalCluster.submit` and
 :meth:`LocalCluster.wait_for` leave time in between to signal a running job (``scancel --signal=USR1 --batch``)
 or requeue it; SLURM holds a requeued job back about two minutes unless ``scontrol update JobId=N
 StartTime=now+2`` lets it start sooner (not ``now``: slurmd refuses a launch credential created in the same
 second as the kill that revoked the first run's, and the job fails with "Job credential revoked").
 
 Requires root (it starts daemons and edits ``/etc/hosts``) and the Debian packages ``slurm-wlm`` and
-``munge``.
+``munge``; accounting also ``slurmdbd`` and ``mariadb-server``.
 
 Source: SLURM documentation, "slurm.conf", "gres.conf" and "Multiple slurmd support"
 (https://slurm.schedmd.com/); MUNGE documentation.
@@ -37,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from scalebook.cluster_accounting import ACCOUNTING_ENTRIES, Accounting
+
 NODES = ("n1", "n2")
 GPUS_PER_NODE = 4
 CPUS_PER_NODE = 16
@@ -51,8 +55,13 @@ class ClusterError(RuntimeError):
     """The local cluster could not start, or a job did not finish as expected."""
 
 
-def _slurm_conf(workdir: Path, controller_port: int, node_port: int, munge_socket: Path) -> str:
+def _slurm_conf(workdir: Path, controller_port: int, node_port: int, munge_socket: Path, dbd_port: int | None) -> str:
     first, last = node_port, node_port + len(NODES) - 1
+    accounting = ("AccountingStorageType=accounting_storage/none" if dbd_port is None else
+                  f"AccountingStorageType=accounting_storage/slurmdbd\nAccountingStorageHost=localhost\n"
+                  f"AccountingStoragePort={dbd_port}\n"
+                  # The munged of slurmdbd's connections: this cluster's, not the default socket.
+                  f"AccountingStoragePass={munge_socket}")  # fmt: skip
     return f"""\
 ClusterName=scalebook
 SlurmctldHost=localhost
@@ -83,10 +92,11 @@ EnforcePartLimits=ALL
 ReturnToService=2
 SchedulerType=sched/backfill
 JobCompType=jobcomp/none
-AccountingStorageType=accounting_storage/none
+{accounting}
 MpiDefault=none
 InactiveLimit=0
-KillWait=5
+# A stopped job gets SIGTERM, then SIGKILL this many seconds later (SLURM's default): time for its ranks to save.
+KillWait=30
 Waittime=0
 NodeName=n[1-{len(NODES)}] NodeAddr=127.0.0.1 Port=[{first}-{last}] CPUs={CPUS_PER_NODE} RealMemory=4000 \
 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN
@@ -95,12 +105,16 @@ PartitionName=gpu Nodes=n[1-{len(NODES)}] Default=YES MaxTime=60 State=UP
 
 
 class LocalCluster:
-    """Start and stop the two-node cluster whose files live in ``workdir``."""
+    """Start and stop the two-node cluster whose files live in ``workdir``; with ``accounting``, also MariaDB and
+    ``slurmdbd`` (:mod:`scalebook.cluster_accounting`, a few seconds more), on ports ``controller_port + 2`` and
+    ``controller_port + 1``, so that ``sacct`` answers."""
 
-    def __init__(self, workdir: str | os.PathLike, *, controller_port: int = 16817, node_port: int = 17001):
+    def __init__(self, workdir: str | os.PathLike, *, controller_port: int = 16817, node_port: int = 17001,
+                 accounting: bool = False):  # fmt: skip
         self.workdir = Path(workdir).resolve()
         self.controller_port = controller_port
         self.node_port = node_port
+        self.accounting = Accounting(self.workdir, controller_port + 1, controller_port + 2) if accounting else None
 
     @property
     def conf(self) -> Path:
@@ -142,7 +156,9 @@ class LocalCluster:
         for i in range(GPUS_PER_NODE):
             (self.workdir / "gpu" / f"gpu{i}").touch()
             gpu_files.append(str(self.workdir / "gpu" / f"gpu{i}"))
-        self.conf.write_text(_slurm_conf(self.workdir, self.controller_port, self.node_port, self.munge_socket))
+        dbd_port = self.accounting.dbd_port if self.accounting else None
+        self.conf.write_text(_slurm_conf(self.workdir, self.controller_port, self.node_port, self.munge_socket,
+                                         dbd_port))  # fmt: skip
         # A count-only gres.conf leaves the nodes INVAL: every GPU needs a device file, here an empty one.
         (self.workdir / "gres.conf").write_text(
             f"NodeName=n[1-{len(NODES)}] Name=gpu File={self.workdir}/gpu/gpu[0-{GPUS_PER_NODE - 1}]\n"
@@ -150,6 +166,11 @@ class LocalCluster:
         self._add_hosts()
         self._start_munge()
         env = self.env()
+        if self.accounting:  # before the controller, which sends it the cluster's jobs from its first one
+            try:
+                self.accounting.start(self.munge_socket, env)
+            except RuntimeError as error:
+                raise ClusterError(str(error)) from None
         subprocess.run(["slurmctld", "-i", "-f", str(self.conf)], env=env, check=True, timeout=60)
         for node in NODES:
             subprocess.run(["slurmd", "-N", node, "-f", str(self.conf)], env=env, check=True, timeout=60)
@@ -217,6 +238,7 @@ class LocalCluster:
             time.sleep(0.2)
         for name in ("slurmd", "slurmctld"):  # whatever did not stop by itself
             subprocess.run(["pkill", "-9", "-f", f"{name} .*{self.conf}"], capture_output=True, timeout=30)
+        Accounting(self.workdir, 0, 0).stop()  # (whether up() started it or not: the files say)
         # A job's tasks outlive a killed slurmd: every process started for this cluster carries its SLURM_CONF.
         from scalebook.comm import processes
 
@@ -232,7 +254,7 @@ class LocalCluster:
             self._remove_files()
 
     def _remove_files(self) -> None:
-        for name in _WORKDIR_ENTRIES:
+        for name in (*_WORKDIR_ENTRIES, *ACCOUNTING_ENTRIES):
             entry = self.workdir / name
             if entry.is_dir():
                 shutil.rmtree(entry)
@@ -300,6 +322,13 @@ class LocalCluster:
         result = self.run("scontrol", "show", "job", "--oneliner", job_id, check=False, timeout=30)
         return dict(field.split("=", 1) for field in result.stdout.split() if "=" in field)
 
+    def sacct(self, job_id: str, fields: tuple[str, ...] = ("JobID", "State", "ExitCode", "Start", "End")) -> list:
+        """Accounting's record of each run of ``job_id``, oldest first, as dicts of ``fields`` (``sacct
+        --duplicates``: a requeued job has one record per run, ``REQUEUED`` for each run that was cut short); needs
+        the cluster's ``accounting``. ``sacct`` remembers jobs that ``scontrol`` has forgotten."""
+        out = self.run("sacct", "-j", job_id, "--duplicates", "-X", "-n", "-P", "-o", ",".join(fields)).stdout
+        return [dict(zip(fields, line.split("|"), strict=True)) for line in out.splitlines()]
+
     def wait_for(self, job_id: str, states: tuple[str, ...], timeout: float = 120.0) -> dict[str, str]:
         """Poll until the job's ``JobState`` is one of ``states``; return its fields then, or raise ClusterError."""
         deadline, fields = time.monotonic() + timeout, {}
@@ -316,10 +345,12 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m scalebook.cluster", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=("up", "down", "status"))
+    parser.add_argument("--no-accounting", action="store_true",
+                        help="up: no MariaDB and slurmdbd (no sacct), a few seconds faster")  # fmt: skip
     parser.add_argument("--workdir", default=os.environ.get("SCALEBOOK_CLUSTER_DIR", "/tmp/scalebook-slurm"),
                         help="where the configuration, logs and state live (default: %(default)s)")  # fmt: skip
     args = parser.parse_args(argv)
-    cluster = LocalCluster(args.workdir)
+    cluster = LocalCluster(args.workdir, accounting=not args.no_accounting)
     if args.action == "up":
         cluster.up()
         print(f"cluster up: export SLURM_CONF={cluster.conf}")
