@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: book site test test-durations check lab bench gpu-check clean venv notebooks train cluster-up cluster-down
+.PHONY: book test check lab bench gpu-check clean venv notebooks train cluster-up cluster-down
 
 venv: $(STAMP)
 
@@ -28,11 +28,6 @@ book: $(STAMP)
 	@echo
 	@echo "The book is built. Open file://$(CURDIR)/_build/html/index.html"
 
-## site: the deployable site in _build/site, built from the committed outputs (nothing executes); BASEURL= the address
-## it is published at (default: html.baseurl of _config.yml). .github/workflows/pages.yml publishes it
-site: $(STAMP)
-	$(BIN)/python book/build_site.py _build/site $(if $(BASEURL),--baseurl "$(BASEURL)")
-
 ## test: nbval over every notebook first, then unit and distributed tests, the book build (from the
 ## committed outputs, so nothing executes twice) and the browser checks
 ## Two pytest-xdist workers (--dist loadscope, grouped by tests/conftest.py: a notebook, a module, the book's users
@@ -42,11 +37,6 @@ XDIST ?= -n 2 --dist loadscope
 test: $(STAMP)
 	$(BIN)/python -m pytest notebooks tests --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
 		$(XDIST) --durations=25
-
-## test-durations: `make test`, writing each xdist group's measured seconds to tests/group_durations.json (the
-## workers take the longest groups first; commit the file after a run on the 2-core machine)
-test-durations: $(STAMP)
-	SCALEBOOK_GROUP_DURATIONS=$(CURDIR)/tests/group_durations.json $(MAKE) test
 
 ## check: the fast lane (about 3 min on 2 cores): ruff, then the unit and small distributed tests; leaves out what
 ## tests/conftest.py marks slow (notebooks, the book build, the browser, SLURM, CLI runs, launches of 4+ ranks)
@@ -59,11 +49,9 @@ notebooks: $(STAMP)
 	$(BIN)/python -m scalebook.notebook notebooks/*.ipynb
 
 ## lab: JupyterLab on the notebooks, their prose rendered by jupyterlab-myst; NB=notebooks/NN_name.ipynb opens that
-## chapter; run as root (a container), it passes --allow-root. It serves the repository (not notebooks/ alone), so
-## that a chapter's links to ../book/ pages open; tests/test_lab.py serves the lab with this very command line
+## chapter; run as root (a container), it passes --allow-root
 lab: $(STAMP)
-	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) --ServerApp.root_dir="$(CURDIR)" \
-		--LabApp.default_url=/lab/tree/$(or $(NB),notebooks)
+	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(or $(NB),notebooks)
 
 ## train: one training run on this machine; pass arguments with ARGS="--model small --steps 100"
 train: $(STAMP)
