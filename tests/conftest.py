@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import _scheduling
 import pytest
 import yaml
 
@@ -188,31 +189,42 @@ def _slow_names(item) -> set[str]:
 # the built book (a session fixture, built once per worker) shares one worker, and the local SLURM clusters of
 # test_slurm.py and Chapter 15 never start at the same time. (pytest-xdist's own --dist loadgroup cannot do it
 # under pytest 9: it renames items through Item._nodeid, which pytest 9 no longer reads.)
-BOOK_USERS = {"test_book.py", "test_browser.py", "test_chapters.py", "test_live_calculators.py", "test_reader_aids.py"}
+BOOK_USERS = {
+    "test_book.py", "test_browser.py", "test_chapters.py", "test_live_calculators.py", "test_reader_aids.py",
+    "test_publish.py", "test_site.py",
+}
 SLURM_USERS = {"test_slurm.py", "15_on_a_real_cluster.ipynb"}
+# Chapter 5 trains the very run Chapter 1 trains and keeps (scalebook.train.reuse): on one worker, Chapter 1 first,
+# it loads that run instead of training it again.
+TINY_GPT_RUN = {"01_why_train_at_scale.ipynb", "05_language_model.ipynb"}
 # Per-item limits (pytest-timeout; the default is pyproject.toml's `timeout`): a test that hangs fails with its
 # name instead of eating CI's time. The first user of the book pays for building it (minutes on two cores).
 BOOK_TIMEOUT_S = 1800
 
 
 def xdist_group(nodeid: str) -> str:
-    """The group of the test ``nodeid``: its file, or "book" or "slurm" for the files that share those."""
+    """The group of the test ``nodeid``: its file, or "book", "slurm" or "tiny-gpt" for the files that share those."""
     path = nodeid.split("::", 1)[0]
     name = path.rsplit("/", 1)[-1]
-    return "book" if name in BOOK_USERS else "slurm" if name in SLURM_USERS else path
+    shared = {"book": BOOK_USERS, "slurm": SLURM_USERS, "tiny-gpt": TINY_GPT_RUN}
+    return next((group for group, names in shared.items() if name in names), path)
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadscope`` with :func:`xdist_group` as the scope (each group runs on one worker, in order)."""
+    """``--dist loadscope`` with :func:`xdist_group` as the scope (each group runs on one worker, in order),
+    the longest groups first (tests/_scheduling.py)."""
     if config.getvalue("dist") != "loadscope":
         return None
-    from xdist.scheduler import LoadScopeScheduling
+    return _scheduling.make_scheduler(config, log, xdist_group)
 
-    class GroupScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return xdist_group(nodeid)
 
-    return GroupScheduling(config, log)
+def pytest_configure(config):
+    """One torch thread per xdist worker; with SCALEBOOK_GROUP_DURATIONS=path, the controller writes each
+    group's measured seconds there (`make test-durations` refreshes tests/group_durations.json)."""
+    _scheduling.one_thread_per_worker()
+    out = os.environ.get("SCALEBOOK_GROUP_DURATIONS")
+    if out and not os.environ.get("PYTEST_XDIST_WORKER"):
+        config.pluginmanager.register(_scheduling.DurationRecorder(Path(out), xdist_group), "group-durations")
 
 
 def pytest_collection_modifyitems(config, items):

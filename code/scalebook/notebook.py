@@ -167,7 +167,8 @@ def error_text(error: float, tolerance: float) -> str:
     return f"< {tolerance:g}" if error < tolerance else f"{error:.1e}"
 
 
-def glue(name: str, variable, display: bool = True, *, digits: int | None = DIGITS, below: float | None = None):
+def glue(name: str, variable, display: bool = True, *, digits: int | None = DIGITS, below: float | None = None,
+         decimals: int | None = None):
     """``myst_nb.glue`` that also keeps the value for ``{eval}`` in prose, as the cell's output shows it.
 
     The output (which nbval compares with the committed one) and ``glued.name`` (which the prose formats) hold
@@ -175,12 +176,17 @@ def glue(name: str, variable, display: bool = True, *, digits: int | None = DIGI
     (:func:`rounded`), so that it reproduces on any CPU. ``digits=None`` keeps it whole, for a value computed in
     Python from constants (a FLOP count, a published figure), whose digits are the same everywhere. A measured
     rounding error is glued with ``below=tolerance``: then the value is the tolerance, which the error is below
-    (the prose says "within" or "less than"), or the error itself at two digits where it is not.
+    (the prose says "within" or "less than"), or the error itself at two digits where it is not. A value near
+    zero that the prose shows with a fixed number of decimals (a cosine similarity of 0.007 shown as 0.01) is
+    glued with ``decimals``: rounded to that many places, one more than the prose shows, since its 4th
+    significant digit is the machine's.
     """
     from myst_nb import glue as myst_glue
 
     if below is not None:
         shown = below if abs(float(variable)) < below else float(f"{float(variable):.1e}")
+    elif decimals is not None:
+        shown = round(float(variable), decimals)
     else:
         shown = variable if digits is None else rounded(variable, digits)
     setattr(glued, name, shown)
