@@ -49,9 +49,11 @@ notebooks: $(STAMP)
 	$(BIN)/python -m scalebook.notebook notebooks/*.ipynb
 
 ## lab: JupyterLab on the notebooks, their prose rendered by jupyterlab-myst; NB=notebooks/NN_name.ipynb opens that
-## chapter; run as root (a container), it passes --allow-root
+## chapter; run as root (a container), it passes --allow-root. It serves the repository (not notebooks/ alone), so
+## that a chapter's links to ../book/ pages open; tests/test_lab.py serves the lab with this very command line
 lab: $(STAMP)
-	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(or $(NB),notebooks)
+	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) --ServerApp.root_dir="$(CURDIR)" \
+		--LabApp.default_url=/lab/tree/$(or $(NB),notebooks)
 
 ## train: one training run on this machine; pass arguments with ARGS="--model small --steps 100"
 train: $(STAMP)

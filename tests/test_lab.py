@@ -1,7 +1,8 @@
 """The chapters in JupyterLab, as a learner opens them with `make lab`: a real server, a real browser.
 
-`jupyter lab` starts headless on a free port of 127.0.0.1 (a token; --allow-root when root, as `make lab`
-does). Headless Chromium, driven over the DevTools protocol (tests/test_browser.py's client; every request
+`jupyter lab` starts with the very command line `make lab NB=<Ch. 7>` runs (read with `make -n`: the repository as
+the server's root, the chapter as the page it opens, --allow-root when root), headless on a free port of 127.0.0.1
+with a token. Headless Chromium, driven over the DevTools protocol (tests/test_browser.py's client; every request
 to another host is failed), opens converted chapters. Once jupyterlab-myst has rendered them, each markdown
 cell's rendered text must hold the number every ``{eval}`` shows (the result stored in the cell, computed by
 the cells) and none of the raw MyST that JupyterLab's own renderer would leave: ``{glue``, ``{eval``,
@@ -12,8 +13,12 @@ cells' expressions evaluated by that live kernel show what the notebook stores.
 
 Citations and links: a chapter's closing ``% footbibliography`` line (the site's footnote list, see
 book/_ext/footbibliography_marker.py) renders as nothing, so no red "Unknown Directive" box may show, nor a raw
-``{doc}`` role or its bare target; the links to other pages (Markdown links to their .ipynb / .md files) open
-those files in JupyterLab. The ``{footcite}`` keys show bare (jupyterlab-myst 2.7.0 resolves no key from a .bib).
+``{doc}`` role or its bare target. Citations show author-year text, never a bare key, and the chapter ends with the
+works it cites (scalebook.citations writes both; jupyterlab-myst 2.7.0 resolves no key from a .bib). Every link of
+Ch. 7 and of the cheat sheet is followed: a link to a file answers 200 from the server (no 404: the lab serves the
+repository, so ``../book/`` pages are inside it), a link within the chapter (a citation, a heading) has its target
+on the page, and a click on a citation brings the cited work into view, a click on the References (or Notation) link
+opens that page in JupyterLab.
 
 Needs /usr/bin/chromium; skipped with a reason when it is absent, a failure under CI=true (tests/_skips.py).
 """
@@ -24,6 +29,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import socket
 import subprocess
@@ -36,6 +42,7 @@ from pathlib import Path
 import pytest
 from test_browser import Chromium, require_chromium
 
+from scalebook.citations import LINK, labels
 from scalebook.notebook import eval_expressions, shown_text
 
 pytestmark = pytest.mark.browser
@@ -46,6 +53,9 @@ JUPYTER = Path(sys.executable).with_name("jupyter")
 CHAPTERS = ["02_tokenization", "07_where_the_memory_goes", "09_collective_communication", "11_zero_and_fsdp",
             "cheat_sheet"]  # fmt: skip
 RUN_CHAPTER = "02_tokenization"  # the quickest of them to run (about 10 s)
+# The chapter the lab is started on (`make lab NB=...`), and the chapters whose every link the test follows.
+LAB_CHAPTER = "notebooks/07_where_the_memory_goes.ipynb"
+LINK_CHAPTERS = ["07_where_the_memory_goes", "cheat_sheet"]
 RAW_MYST = ("{glue", "{eval", "{footcite", ":::{admonition", "{doc}", "{footbibliography")
 # The titles of jupyterlab-myst's red boxes for a directive or a role it does not know.
 ERROR_BOXES = ("Unknown Directive", "Unknown Role")
@@ -65,10 +75,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class Lab:
-    """`jupyter lab` on the repository, headless, with its own settings and a random token."""
+def make_lab_command(notebook: str) -> list[str]:
+    """The command line `make lab NB=notebook` runs (as `make -n` prints it), the venv's jupyter made absolute."""
+    dry = subprocess.run(["make", "-n", "--no-print-directory", "lab", f"NB={notebook}"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    lines = [shlex.split(line) for line in dry.replace("\\\n", " ").splitlines() if line.strip()]
+    argv = next((a for a in lines if len(a) > 1 and Path(a[0]).name == "jupyter" and a[1] == "lab"), None)
+    assert argv, f"`make -n lab` runs no `jupyter lab`:\n{dry}"
+    return [str(REPO / argv[0]), *argv[1:]]
 
-    def __init__(self, workdir: Path):
+
+class Lab:
+    """`jupyter lab` as `make lab NB=notebook` starts it, headless, with its own settings and a random token."""
+
+    def __init__(self, workdir: Path, notebook: str = LAB_CHAPTER):
         for name, value in SETTINGS.items():
             (workdir / "settings" / name).parent.mkdir(parents=True, exist_ok=True)
             (workdir / "settings" / name).write_text(json.dumps(value))
@@ -76,10 +96,9 @@ class Lab:
         self.url = f"http://127.0.0.1:{free_port()}"
         env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(workdir / "settings"),
                "JUPYTERLAB_WORKSPACES_DIR": str(workdir / "workspaces"), "HF_HUB_OFFLINE": "1"}  # fmt: skip
-        root = ["--allow-root"] if os.geteuid() == 0 else []
-        args = [str(JUPYTER), "lab", "--no-browser", *root, f"--ServerApp.root_dir={REPO}",
-                "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.url.rsplit(':', 1)[1]}",
-                f"--IdentityProvider.token={self.token}", "--ServerApp.port_retries=0"]  # fmt: skip
+        self.command = make_lab_command(notebook)
+        args = [*self.command, "--no-browser", "--ServerApp.ip=127.0.0.1", "--ServerApp.port_retries=0",
+                f"--ServerApp.port={self.url.rsplit(':', 1)[1]}", f"--IdentityProvider.token={self.token}"]  # fmt: skip
         self.log_path = workdir / "lab.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
@@ -200,6 +219,86 @@ def test_chapters_render_their_numbers_answers_and_citations(lab, browser, tmp_p
             assert browser.wait_for(opened, timeout=30), f"the link opened {browser.evaluate('location.href')}"
     assert "cheat_sheet" in CHAPTERS, "the link check above needs the cheat sheet"
     if os.environ.get("LAB_SHOTS"):  # copy the screenshots for review
+        for png in tmp_path.glob("lab-*.png"):
+            shutil.copy(png, Path(os.environ["LAB_SHOTS"]) / png.name)
+
+
+# Every link in a chapter's rendered markdown: [its href as written, as the browser resolves it, its text].
+JS_LINKS = """Array.from(document.querySelectorAll('.jp-Notebook .jp-MarkdownCell .myst a[href]')).map(
+  a => [a.getAttribute('href'), a.href, a.textContent])"""
+# Each URL fetched by the page, as a click would ask the server for it: its HTTP status.
+JS_STATUS = "Promise.all(%s.map(url => fetch(url).then(r => r.status, e => String(e))))"
+JS_MISSING_IDS = "%s.filter(id => !document.getElementById(id))"
+# The element is in the upper half of the window (where a click on a link to it scrolls it, smoothly).
+JS_IN_VIEW = """(e => { const r = e.getBoundingClientRect(); return r.top >= 0 && r.top < innerHeight / 2; })(
+  document.getElementById(%s))"""
+JS_CLICK = """(raw => { const a = Array.from(document.querySelectorAll('.jp-Notebook .jp-MarkdownCell .myst a'))
+  .find(a => a.getAttribute('href') === raw); a.scrollIntoView({block: 'center'}); a.click(); return true; })(%s)"""
+
+
+def link_problems(browser: Chromium, origin: str, links: list[list[str]]) -> list[str]:
+    """The links of a rendered chapter that lead nowhere in the lab, in words: a file the server does not serve
+    (a 404), a target missing from the page, a link off the machine (but a cited work's address)."""
+    files = [url for raw, url, _ in links if not raw.startswith("#") and url.startswith(origin + "/")]
+    statuses = browser.evaluate(JS_STATUS % json.dumps(files), timeout=60) if files else []
+    found = [f"{url.split('?')[0]} answers {status}" for url, status in zip(files, statuses, strict=True)
+             if status != 200]  # fmt: skip
+    ids = sorted({raw[1:] for raw, _, _ in links if raw.startswith("#")})
+    missing = browser.evaluate(JS_MISSING_IDS % json.dumps(ids))
+    found += [f"#{target}: no such target on the page" for target in missing]
+    bib = (REPO / "book" / "references.bib").read_text(encoding="utf8")  # a work's own address may stand in its entry
+    found += [f"{raw}: a link off the machine" for raw, url, _ in links
+              if not raw.startswith("#") and not url.startswith(origin + "/") and raw not in bib]  # fmt: skip
+    return found
+
+
+def citation_text_problems(cells: list[dict], links: list[list[str]], rendered: list) -> list[str]:
+    """Citations shown with other text than the notebook's author-year link, and bare keys in the rendered text."""
+    source = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    written = {(m.group("key"), m.group("text")) for m in LINK.finditer(source)}
+    shown = {(raw.removeprefix("#cite-"), text) for raw, _, text in links if raw.startswith("#cite-")}
+    found = [f"{key} is shown as {text!r}" for key, text in sorted(shown - written)]
+    found += [f"{key} ({text!r}) is not shown" for key, text in sorted(written - shown)]
+    known = labels()
+    found += [f"{key} shows {text!r}, no author-year text" for key, text in sorted(shown)
+              if key in known and text not in (known[key], known[key].rsplit(", ", 1)[1])]  # fmt: skip
+    text = " ".join(t or "" for t in rendered)
+    found += [f"the bare key {key} is on the page" for key, _ in sorted(written) if key in text]
+    return found
+
+
+def test_every_link_of_two_chapters_works_in_the_lab_and_citations_show_author_year(lab, browser, tmp_path):
+    assert f"--LabApp.default_url=/lab/tree/{LAB_CHAPTER}" in lab.command, f"make lab opens: {lab.command}"
+    for name in LINK_CHAPTERS:
+        cells = read_cells(name)
+        # Ch. 7 as `make lab NB=...` opens it: the server's front page, which redirects to the chapter.
+        page = "/" if f"notebooks/{name}.ipynb" == LAB_CHAPTER else f"/lab/tree/notebooks/{name}.ipynb"
+        browser.open(f"{lab.url}{page}?token={lab.token}&reset", timeout=60)
+        ready = f"(() => {{ const r = {JS_RENDERED}; return r.length === {len(cells)} && !r.includes(null); }})()"
+        assert browser.wait_for(ready, timeout=60), f"{name} did not render at {browser.evaluate('location.href')}"
+        browser.pump(1.0)
+        links = browser.evaluate(JS_LINKS)
+        assert len(links) > 10, f"{name}: {len(links)} links"
+        assert link_problems(browser, lab.url, links) == [], name
+        assert citation_text_problems(cells, links, browser.evaluate(JS_RENDERED)) == [], name
+        first = next(raw for raw, _, _ in links if raw.startswith("#cite-"))
+        assert not browser.evaluate(JS_IN_VIEW % json.dumps(first[1:])), f"{name}: the works cited are in view already"
+        browser.evaluate(JS_CLICK % json.dumps(first))
+        shown = browser.wait_for(JS_IN_VIEW % json.dumps(first[1:]), timeout=10)
+        browser.screenshot(tmp_path / f"lab-{name}-citation.png")
+        assert shown, f"{name}: a click on {first} does not bring the work into view"
+        # jupyterlab-myst writes a relative link as the server's /files/ URL; a click opens the file in the lab.
+        pages = {raw: url.split("/files/", 1)[1].split("?")[0] for raw, url, _ in links if "/files/book/" in url}
+        assert pages, f"{name} links to no page of book/"
+        for raw, path in pages.items():
+            browser.evaluate(JS_CLICK % json.dumps(raw))
+            opened = f"location.pathname.endsWith('/lab/tree/{path}')"
+            assert browser.wait_for(opened, timeout=30), f"{path} opened {browser.evaluate('location.href')}"
+            browser.pump(2.0)
+            browser.screenshot(tmp_path / f"lab-{name}-{Path(path).stem}.png")
+        assert browser.failed == [], f"{name}: requests that failed"
+        assert not browser.blocked, f"{name}: JupyterLab asked another host for {browser.blocked}"
+    if os.environ.get("LAB_SHOTS"):
         for png in tmp_path.glob("lab-*.png"):
             shutil.copy(png, Path(os.environ["LAB_SHOTS"]) / png.name)
 
