@@ -443,6 +443,7 @@ def test_if_pyodide_cannot_load_the_static_values_stay_with_a_note(browser, orig
     try:
         browser.open(f"{origins['http']}/{PAGES['memory']}")
         static = browser.evaluate(f"{form_js('memory')}.querySelector('.live-result').innerHTML")
+        browser.evaluate(f"{form_js('memory')}.elements.model.focus()")  # a keyboard reader's focus is on an input
         set_inputs(browser, "memory", {"model": "llama-3-70b"})
         assert browser.wait_for(f"{form_js('memory')}.dataset.state === 'failed'", LOAD_TIMEOUT_S)
         note = browser.evaluate(f"{form_js('memory')}.querySelector('.live-status').textContent")
@@ -450,6 +451,8 @@ def test_if_pyodide_cannot_load_the_static_values_stay_with_a_note(browser, orig
         # The form is back at the inputs that the static values are for.
         assert browser.evaluate(f"{form_js('memory')}.elements.model.value") == "gpt3-175b"
         assert browser.evaluate(f"{form_js('memory')}.querySelector('.live-result').innerHTML") == static
+        state = f"[{form_js('memory')}.querySelector('.live-inputs').disabled, document.activeElement.className]"
+        assert browser.evaluate(state) == [True, "live-status"]  # read-only again; focus on the note, not the top
     finally:
         browser._is_local = original
 

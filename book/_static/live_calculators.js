@@ -154,10 +154,10 @@
         }
         compute = await runtime;
       } catch (error) {
+        const hadFocus = form.contains(document.activeElement);
         form.reset(); // the static result is for the built-in inputs
         show("failed", `The calculator could not start (${error.message}); the values shown are the ones ` +
           "computed when the book was built, for the inputs shown.");
-        const hadFocus = form.contains(document.activeElement);
         if (button.isConnected) button.remove();
         inputs.disabled = true; // changing them would do nothing now
         if (hadFocus) status.focus(); // the note, not the top of the page
