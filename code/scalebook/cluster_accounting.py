@@ -56,7 +56,8 @@ class Accounting:
         self._sql(f"CREATE DATABASE {DATABASE}; CREATE USER '{USER}'@'127.0.0.1' IDENTIFIED BY '{password}'; "
                   f"GRANT ALL ON {DATABASE}.* TO '{USER}'@'127.0.0.1';")  # fmt: skip
         conf = self._path("slurmdbd.conf")
-        conf.touch(mode=0o600)  # slurmdbd refuses a configuration (it holds the password) that others can read
+        conf.touch()
+        conf.chmod(0o600)  # before the password goes in; slurmdbd refuses a configuration that others can read
         conf.write_text(self._slurmdbd_conf(munge_socket, password))
         subprocess.run(["slurmdbd"], env=env, check=True, capture_output=True, timeout=60)
         self._until(lambda: _run(["sacctmgr", "-n", "list", "cluster"], env).returncode == 0, "slurmdbd")
