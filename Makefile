@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: book test check lab bench gpu-check clean venv notebooks train cluster-up cluster-down
+.PHONY: book site test check lab bench gpu-check clean venv notebooks train cluster-up cluster-down
 
 venv: $(STAMP)
 
@@ -27,6 +27,11 @@ book: $(STAMP)
 	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
 	@echo
 	@echo "The book is built. Open file://$(CURDIR)/_build/html/index.html"
+
+## site: the deployable site in _build/site, built from the committed outputs (nothing executes); BASEURL= the address
+## it is published at (default: html.baseurl of _config.yml). .github/workflows/pages.yml publishes it
+site: $(STAMP)
+	$(BIN)/python book/build_site.py _build/site $(if $(BASEURL),--baseurl "$(BASEURL)")
 
 ## test: nbval over every notebook first, then unit and distributed tests, the book build (from the
 ## committed outputs, so nothing executes twice) and the browser checks

@@ -85,7 +85,8 @@ class Chromium:
     all others are failed (and Chromium cannot resolve any host name but 127.0.0.1 anyway).
     """
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, hide_scrollbars: bool = True):
+        """``hide_scrollbars=False`` draws scroll bars (with their width in the layout), for checks that they show."""
         import websocket  # websocket-client
 
         self.workdir = workdir
@@ -97,7 +98,7 @@ class Chromium:
             "--no-first-run", "--no-default-browser-check", "--disable-background-networking",
             "--disable-component-update", "--disable-sync", "--disable-extensions",
             "--disable-default-apps", "--disable-dev-shm-usage", "--mute-audio",
-            "--hide-scrollbars", "--force-device-scale-factor=1",
+            *(["--hide-scrollbars"] if hide_scrollbars else []), "--force-device-scale-factor=1",
             f"--window-size={VIEWPORT[0]},{VIEWPORT[1]}",
             # Belt and braces: no host name resolves, so nothing can leave the machine.
             "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
