@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 
 from scalebook.citations import (
+    ALL_WORKS_BLOCK,
     FOOTCITE,
     LINK,
     MARKER,
+    all_works_block,
     convert_cells,
     labels,
     link_text,
@@ -77,6 +79,14 @@ def test_the_site_reads_the_same_citations_as_footnotes(path):
     assert set(site_keys) == {link.group("key") for text in cells for link in LINK.finditer(text)}
     assert site.count("```{footbibliography}\n```") == 1
     assert "#cite-" not in site and "(cite-" not in site, "a lab-only link or target would reach the site"
+
+
+def test_the_references_page_lists_every_work_in_the_lab_and_only_its_directive_on_the_site():
+    page = REPO / "book" / "bibliography.md"
+    text = page.read_text(encoding="utf8")
+    assert ALL_WORKS_BLOCK.sub(lambda _m: all_works_block(), text) == text, FIX.format("book/bibliography.md")
+    assert all(f"**{label}.**" in text for label in labels().values())
+    assert to_site(text).rstrip() == "# References\n\n```{bibliography}\n:all:\n```"
 
 
 def test_labels_are_author_year_and_tell_works_apart():

@@ -18,7 +18,7 @@ works it cites (scalebook.citations writes both; jupyterlab-myst 2.7.0 resolves 
 Ch. 7 and of the cheat sheet is followed: a link to a file answers 200 from the server (no 404: the lab serves the
 repository, so ``../book/`` pages are inside it), a link within the chapter (a citation, a heading) has its target
 on the page, and a click on a citation brings the cited work into view, a click on the References (or Notation) link
-opens that page in JupyterLab.
+opens that page in JupyterLab (where the References page lists every work, see scalebook.citations).
 
 Needs /usr/bin/chromium; skipped with a reason when it is absent, a failure under CI=true (tests/_skips.py).
 """
@@ -294,6 +294,10 @@ def test_every_link_of_two_chapters_works_in_the_lab_and_citations_show_author_y
             browser.evaluate(JS_CLICK % json.dumps(raw))
             opened = f"location.pathname.endsWith('/lab/tree/{path}')"
             assert browser.wait_for(opened, timeout=30), f"{path} opened {browser.evaluate('location.href')}"
+            if path == "book/bibliography.md":  # its list for the lab: a work this chapter does not cite is there too
+                other = next(label for key, label in labels().items() if f"#cite-{key})" not in json.dumps(cells))
+                listed = f"document.body.innerText.includes({json.dumps(other + '.')})"
+                assert browser.wait_for(listed, timeout=30), f"{path} does not list {other} in the lab"
             browser.pump(2.0)
             browser.screenshot(tmp_path / f"lab-{name}-{Path(path).stem}.png")
         assert browser.failed == [], f"{name}: requests that failed"

@@ -7,7 +7,8 @@ them: ``([Loshchilov and Hutter, 2019](#cite-loshchilov2019decoupled))``, and a 
 run of citation links back into sphinxcontrib-bibtex's ``{footcite}`` role and the block from the marker line into
 the ``{footbibliography}`` directive, in Sphinx's ``source-read`` event: for a notebook, myst-nb parses the text
 that event hands on (the notebook's JSON), so the markdown cells are rewritten there and the page gets exactly the
-numbered citations and footnote list it had with the roles and the directive written out.
+numbered citations and footnote list it had with the roles and the directive written out. The References page's list
+of every work, there for JupyterLab, which shows nothing for its ``{bibliography}`` directive, is dropped the same way.
 
 Source: sphinxcontrib-bibtex, https://sphinxcontrib-bibtex.readthedocs.io/en/latest/usage.html#role-footcite;
 Sphinx's source-read event, https://www.sphinx-doc.org/en/master/extdev/event_callbacks.html#event-source-read
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 import json
 
-from scalebook.citations import MARKER, to_site
+from scalebook.citations import ALL_WORKS, MARKER, to_site
 
-LAB_FORM = (MARKER, "](#cite-")
+LAB_FORM = (MARKER, "](#cite-", ALL_WORKS)
 
 
 def expand_markdown(text: str) -> str:

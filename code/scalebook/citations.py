@@ -15,7 +15,9 @@ in JupyterLab. A chapter therefore stores what the lab shows, its *lab form*, an
 
 Authors may write ``{footcite}`key``` as before: ``python -m scalebook.citations notebooks/*.ipynb`` rewrites
 it to the lab form and rewrites each References list from book/references.bib (it edits markdown only; no
-code cell or output changes, so nothing needs re-executing). tests/test_citations.py checks every notebook.
+code cell or output changes, so nothing needs re-executing); given book/bibliography.md it rewrites the list of
+every work that page shows in JupyterLab, where its ``{bibliography}`` directive shows nothing (the site drops the
+list). tests/test_citations.py checks every notebook and that page.
 
 Source: sphinxcontrib-bibtex's footcite, https://sphinxcontrib-bibtex.readthedocs.io/en/latest/usage.html;
 MyST targets and links, https://mystmd.org/guide/cross-references; pybtex's styles, https://docs.pybtex.org/
@@ -40,6 +42,9 @@ LIST_NOTE = ("% JupyterLab shows the works below; the site lists them as footnot
              "Written by `python -m scalebook.citations` from book/references.bib.")  # fmt: skip
 #: The lab's list of works: from the marker line through the end line (or the marker line alone).
 WORKS_BLOCK = re.compile(rf"^{re.escape(MARKER)}[ \t]*$(?:.*?^{re.escape(END)}[ \t]*$)?", re.M | re.S)
+#: The References page's list of every work for the lab (the site shows its ``{bibliography}`` directive instead).
+ALL_WORKS = "% every work of book/references.bib, for JupyterLab"
+ALL_WORKS_BLOCK = re.compile(rf"^{re.escape(ALL_WORKS)}[ \t]*$.*?^{re.escape(END)}[ \t]*$\n?", re.M | re.S)
 
 
 @lru_cache(maxsize=2)
@@ -129,7 +134,7 @@ def to_site(markdown: str) -> str:
         return "{footcite}`" + ",".join(link.group("key") for link in LINK.finditer(run.group(0))) + "`"
 
     cited = CITATION_RUN.sub(footcite, markdown)
-    return WORKS_BLOCK.sub("```{footbibliography}\n```", cited)
+    return ALL_WORKS_BLOCK.sub("", WORKS_BLOCK.sub("```{footbibliography}\n```", cited))
 
 
 def cited_keys(markdown_cells: list[str]) -> list[str]:
@@ -142,6 +147,26 @@ def works_block(keys: list[str], path: str = str(BIB)) -> str:
     """The References cell's block: the marker, a note, one labelled paragraph per work, the end line."""
     works = "".join(f"(cite-{key})=\n{work(key, path)}\n\n" for key in keys)
     return f"{MARKER}\n{LIST_NOTE}\n\n{works}{END}"
+
+
+def all_works_block(path: str = str(BIB)) -> str:
+    """The References page's list for JupyterLab: every work, by label (JupyterLab does not render its directive)."""
+    keys = sorted(labels(path), key=lambda key: labels(path)[key].lower())
+    works = "".join(f"{work(key, path)}\n\n" for key in keys)
+    note = "% The site shows the {bibliography} directive above instead. Written by `python -m scalebook.citations`."
+    return f"{ALL_WORKS}\n{note}\n\n{works}{END}\n"
+
+
+def convert_page(page_path, path: str = str(BIB)) -> bool:
+    """Rewrite a page's list of every work (book/bibliography.md); True if it changed."""
+    page = Path(page_path)
+    text = page.read_text(encoding="utf8")
+    if not ALL_WORKS_BLOCK.search(text):
+        raise ValueError(f"{page} has no list to rewrite: add the lines {ALL_WORKS!r} and {END!r}")
+    new = ALL_WORKS_BLOCK.sub(lambda _m: all_works_block(path), text)
+    if new != text:
+        page.write_text(new, encoding="utf8")
+    return new != text
 
 
 def convert_cells(markdown_cells: list[str], path: str = str(BIB)) -> list[str]:
@@ -171,6 +196,7 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) < 2:
-        sys.exit("usage: python -m scalebook.citations NOTEBOOK.ipynb [...]  (citations to the lab form, in place)")
-    for notebook in sys.argv[1:]:
-        print(f"{notebook}: {'rewritten' if convert_notebook(notebook) else 'unchanged'}", flush=True)
+        sys.exit("usage: python -m scalebook.citations NOTEBOOK.ipynb [...] [book/bibliography.md]  (in place)")
+    for name in sys.argv[1:]:
+        changed = convert_page(name) if name.endswith(".md") else convert_notebook(name)
+        print(f"{name}: {'rewritten' if changed else 'unchanged'}", flush=True)
