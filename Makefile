@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: book site test check lab bench gpu-check clean venv notebooks train cluster-up cluster-down
+.PHONY: book site test test-durations check lab bench gpu-check clean venv notebooks train cluster-up cluster-down
 
 venv: $(STAMP)
 
@@ -42,6 +42,11 @@ XDIST ?= -n 2 --dist loadscope
 test: $(STAMP)
 	$(BIN)/python -m pytest notebooks tests --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
 		$(XDIST) --durations=25
+
+## test-durations: `make test`, writing each xdist group's measured seconds to tests/group_durations.json (the
+## workers take the longest groups first; commit the file after a run on the 2-core machine)
+test-durations: $(STAMP)
+	SCALEBOOK_GROUP_DURATIONS=$(CURDIR)/tests/group_durations.json $(MAKE) test
 
 ## check: the fast lane (about 3 min on 2 cores): ruff, then the unit and small distributed tests; leaves out what
 ## tests/conftest.py marks slow (notebooks, the book build, the browser, SLURM, CLI runs, launches of 4+ ranks)
