@@ -48,7 +48,8 @@ def build_site(out: Path, baseurl: str | None = None, src: Path = REPO) -> Path:
     jupyter_book = Path(sys.executable).with_name("jupyter-book")
     cmd = [str(jupyter_book), "build", str(src), "--config", str(config_path), "--path-output", str(work),
            "-W", "-n", "--keep-going"]  # fmt: skip
-    subprocess.run(cmd, cwd=src, check=True)
+    if subprocess.run(cmd, cwd=src).returncode != 0:
+        raise SystemExit(f"jupyter-book build failed (its log is above): {' '.join(cmd)}")
     html = work / "_build" / "html"
     if not (html / "index.html").is_file() or not (html / "404.html").is_file():
         raise SystemExit(f"the build in {work} has no index.html or 404.html")

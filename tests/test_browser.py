@@ -479,8 +479,7 @@ def test_page_works_offline(page, book_html, site, chromium):
 def test_page_works_from_disk(page, book_html, chromium, tmp_path):
     """The same checks with the page opened as a file:// URL, as `make book` suggests.
 
-    (Not the search page: there Sphinx fetches each result page for its summary, which Chromium
-    refuses for file:// URLs; the results are still listed.)
+    (The search page from disk, its ranking and excerpts, is tests/test_site.py's.)
     """
     report = check_page(chromium, (book_html / page).as_uri(), tmp_path / "page.png")
     assert_page_ok(f"{page} (file://)", report)
