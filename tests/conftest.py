@@ -150,7 +150,12 @@ SLOW = {
     "test_mesh.py": {"test_dp2_tp2_pp2_on_8_ranks_trains_like_one_process"},
     # torchrun's ranks killed after a 20 s timeout; Ctrl-C delivered to torchrun's two ranks (issues 32, 37)
     "test_processes.py": {"test_torchrun_ranks_already_running_are_killed_on_timeout"},
-    "test_cli_input.py": {"test_under_torchrun_a_ctrl_c_stops_every_rank_without_a_traceback"},
+    "test_cli_input.py": {
+        "test_under_torchrun_a_ctrl_c_stops_every_rank_without_a_traceback",
+        # torchrun started by hand on a refused layout; torchrun as the sbatch scripts run it, stopped (issue 37)
+        "test_a_refused_layout_under_a_torchrun_started_by_hand_is_one_message_and_exit_code_2_from_every_rank",
+        "test_torchrun_as_the_sbatch_scripts_run_it_passes_a_stop_on_and_ends_without_a_traceback",
+    },
     "test_pipeline.py": {
         "test_four_stages_match_unpartitioned_model_and_torch_pipelining",
         "test_two_stages_match_unpartitioned_model_and_torch_pipelining",
