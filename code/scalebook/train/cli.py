@@ -463,11 +463,12 @@ def run_local(
 def _refusal(train_args: list[str], world_size: int) -> str | None:
     """The pre-flight's message for ``world_size`` ranks of ``train_args`` (as rank 0 prints it) if it refuses them,
     else None. Run here, in the launching process, a refused run never starts torchrun, whose own report (a
-    ChildFailedError traceback, exit code 1) would follow the message: the message alone, and exit code 2."""
+    ChildFailedError traceback, exit code 1) would follow the message: the message alone, and exit code 2. The
+    memory check is left to the ranks, each on its device (here it would open a CUDA context the run never uses)."""
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         try:
-            main([*train_args, "--check-only", str(world_size)])
+            main([*train_args, "--check-only", str(world_size), "--skip-memory-check"])
         except SystemExit as exited:
             if exited.code not in (0, None):
                 return stderr.getvalue()
