@@ -44,7 +44,7 @@ def _package_source_digest() -> str:
 
 
 def run_key(model: torch.nn.Module, tokens: torch.Tensor, cfg: TrainConfig) -> str:
-    """A SHA-256 over everything that determines a run of :func:`scalebook.train.loop.train` (see the module docstring)."""
+    """A SHA-256 over everything that determines a run of :func:`scalebook.train.loop.train` (module docstring)."""
     digest = hashlib.sha256()
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "progress"}
     for part in (
