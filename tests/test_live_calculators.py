@@ -360,7 +360,8 @@ def test_the_live_calculator_answers_what_accounting_computes(browser, origins, 
         )  # the build's Python result, before any script
 
         started = time.monotonic()
-        for inputs, texts in cases()[name]:
+        # Every case offline from file:// (no server, no network); over http the first, to show it goes live.
+        for inputs, texts in cases()[name] if scheme == "file" else cases()[name][:1]:
             text = answer(browser, name, calculator.defaults | inputs)  # each case from the defaults
             missing = [t for t in texts if t not in text]
             assert not missing, f"{name} {inputs}: {missing} not in {text!r}"
