@@ -74,4 +74,4 @@ def test_a_damaged_kept_run_is_trained_again_not_loaded(tokens, cache, capsys):
     result = reuse.reuse_or_train(fresh_model(), tokens, CFG)
     assert "loaded" not in capsys.readouterr().out
     assert result.losses == expected.losses and result.optimizer is not None
-    assert len(list(cache.glob("*.pt"))) == 1 and not list(cache.glob(".*partial"))
+    assert len(list(cache.glob("*.pt"))) == 1 and not list(cache.glob(".*"))  # no temporary file left

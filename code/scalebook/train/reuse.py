@@ -8,7 +8,7 @@ the reader would have trained, bit for bit on this machine, minus the minutes; i
 optimizer object is not kept) and its ``step_times`` are the timings of the run that was kept.
 
 A stored file whose key does not match, or that cannot be read, is never used: the run is trained again and the
-file replaced (written to a temporary name and renamed, so a reader never sees half a file).
+file replaced (``checkpoint.atomic_save``: written to a temporary name, flushed and renamed).
 
 The runs live in ``$SCALEBOOK_CACHE`` (default ``~/.cache/scalebook``) under ``runs/``; delete the folder to
 train everything again. Only the newest ``KEEP`` runs are kept.
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from scalebook.train.checkpoint import atomic_save
 from scalebook.train.loop import TrainConfig, TrainResult, train
 
 KEEP = 8
@@ -70,7 +71,10 @@ def _path(key: str) -> Path:
 def train_and_keep(model: torch.nn.Module, tokens: torch.Tensor, cfg: TrainConfig, *, description: str = "training"
                    ) -> TrainResult:
     """:func:`scalebook.train.loop.train`, then keep the run for :func:`reuse_or_train`."""
-    key = run_key(model, tokens, cfg)
+    return _train_and_keep(model, tokens, cfg, run_key(model, tokens, cfg), description)
+
+
+def _train_and_keep(model, tokens, cfg: TrainConfig, key: str, description: str) -> TrainResult:
     result = train(model, tokens, cfg, description=description)
     kept = {
         "key": key,
@@ -82,10 +86,7 @@ def train_and_keep(model: torch.nn.Module, tokens: torch.Tensor, cfg: TrainConfi
         "rng_state": torch.get_rng_state(),
     }
     path = _path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    torch.save(kept, partial)
-    os.replace(partial, path)
+    atomic_save(kept, path)
     for old in sorted(path.parent.glob("*.pt"), key=lambda p: p.stat().st_mtime)[:-KEEP]:
         old.unlink(missing_ok=True)
     return result
@@ -106,7 +107,7 @@ def reuse_or_train(model: torch.nn.Module, tokens: torch.Tensor, cfg: TrainConfi
     key = run_key(model, tokens, cfg)
     kept = _load(key)
     if kept is None:
-        return train_and_keep(model, tokens, cfg, description=description)
+        return _train_and_keep(model, tokens, cfg, key, description)
     model.load_state_dict(kept["state_dict"])
     model.train()
     if hasattr(model, "gradient_checkpointing"):
