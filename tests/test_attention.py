@@ -4,6 +4,7 @@ and the saved-activation and FLOP formulas against what autograd and FlopCounter
 import contextlib
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from scalebook.attention import (
     attention_saved_bytes,
     causal_mask,
     dot_product_variance,
+    forward_backward_seconds,
     merge_heads,
     saved_for_backward,
     scaled_dot_product_attention,
@@ -402,3 +404,39 @@ def test_scaling_keeps_the_softmax_from_saturating():
     # Unscaled, the scores have standard deviation sqrt(1024) = 32: the largest one takes nearly all.
     assert abs(unscaled.score_std / 32 - 1) < 0.1
     assert unscaled.max_weight > 0.9 and unscaled.grad_norm < 0.5 * wide.grad_norm
+
+
+def test_forward_backward_seconds_counts_cpu_time_not_time_spent_waiting():
+    """A call that sleeps 50 ms costs almost no CPU time: the default clock leaves out time the process
+    does not run, as it leaves out the slices another program takes on a busy machine. Wall time would
+    count the sleep (the planted bug ``clock=time.perf_counter`` fails the first assertion)."""
+    x = torch.ones(4, requires_grad=True)
+
+    def sleepy(t):
+        time.sleep(0.05)
+        return t * 2
+
+    (cpu,) = forward_backward_seconds(sleepy, lambda s: [x], [1], rounds=2)
+    assert cpu < 0.02, cpu  # the sleep is 50 ms; a multiply of 4 numbers and its backward take microseconds
+    (wall,) = forward_backward_seconds(sleepy, lambda s: [x], [1], rounds=2, clock=time.perf_counter)
+    assert wall >= 0.05, wall
+
+
+def test_forward_backward_seconds_interleaves_lengths_and_keeps_the_fastest_round():
+    """With a fake clock that advances by what each call is told: one warm-up round, then ``rounds``
+    rounds in which every length runs once; each length keeps its smallest time."""
+    now, order = [0.0], []
+    costs = {1: iter([9.0, 5.0, 7.0, 3.0]), 2: iter([9.0, 6.0, 2.0, 8.0])}  # warm-up first
+
+    def fake(t):
+        s = int(t.numel())
+        order.append(s)
+        now[0] += next(costs[s])
+        return t * 1.0
+
+    times = forward_backward_seconds(fake, lambda s: [torch.ones(s, requires_grad=True)], [1, 2], rounds=3,
+                                     clock=lambda: now[0])
+    assert order == [1, 2] * 4
+    assert times == [3.0, 2.0]
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        forward_backward_seconds(fake, lambda s: [], [1], rounds=0)

@@ -429,20 +429,40 @@ def attention_forward_flops(batch: int, seq_len: int, n_heads: int, head_dim: in
     return 2 * (2 * batch * n_heads * seq_len * seq_len * head_dim)
 
 
-def forward_backward_seconds(fn: Callable, *args, repeats: int = 5) -> float:
-    """Median wall time of ``fn(*args).sum().backward()`` over ``repeats`` runs (after one warm-up)."""
-    times = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        out = fn(*args)
-        out = out[0] if isinstance(out, tuple) else out
-        out.sum().backward()
-        if i:  # the first run pays for allocation and kernel selection
-            times.append(time.perf_counter() - start)
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                a.grad = None
-    return sorted(times)[len(times) // 2]
+def forward_backward_seconds(
+    fn: Callable, make_args: Callable[[int], list], lengths: Iterable[int], *, rounds: int = 5,
+    clock: Callable[[], float] = time.process_time,
+) -> list[float]:
+    """Seconds of ``fn(*make_args(s)).sum().backward()`` at each length ``s``: the fastest of ``rounds``.
+
+    Made to give the shape of time against length on a shared machine:
+
+    - ``clock`` defaults to the CPU time of this process, so the time slices the operating system gives
+      to other programs do not count (wall time would; run with ``torch.set_num_threads(1)`` so that the
+      CPU time of one thread is the time of the work);
+    - the lengths are interleaved, one call of each per round, so that a busy period slows every length
+      alike instead of one length wholesale;
+    - each length keeps its fastest round (a competing program can only make a call slower), after one
+      warm-up call per length that pays for allocation and kernel selection.
+    """
+    lengths = list(lengths)
+    if rounds < 1 or not lengths:
+        raise ValueError(f"need rounds >= 1 and at least one length, got rounds={rounds}, lengths={lengths}")
+    inputs = [make_args(s) for s in lengths]
+    best = [math.inf] * len(lengths)
+    for round_ in range(rounds + 1):
+        for i, args in enumerate(inputs):
+            start = clock()
+            out = fn(*args)
+            out = out[0] if isinstance(out, tuple) else out
+            out.sum().backward()
+            elapsed = clock() - start
+            if round_:  # round 0 is the warm-up
+                best[i] = min(best[i], elapsed)
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    a.grad = None
+    return best
 
 
 @dataclass(frozen=True)
