@@ -22,9 +22,12 @@ backward is q, k, v, O and L, O(s) per head against the explicit path's O(s^2).
 
 On a GPU a tile lives in an SM's shared memory (SRAM); :func:`flash_block_sizes` is the paper's choice of
 tile size for a given SRAM, and :func:`attention_hbm_bytes` the bytes each algorithm moves to and from
-HBM: Theta(N d + N^2) for standard attention, Theta(N^2 d^2 / M) for FlashAttention with M elements of
-SRAM (Dao et al. 2022, Theorem 2). The forward here tallies the bytes of every tile it reads and writes
-(:class:`HBMTraffic`), so the second formula can be checked against what the loop does.
+HBM: 4 N d + 4 N^2 numbers for standard attention, 2 N d + 2 N^2 d / B_r for FlashAttention-2's loop with
+query tiles of B_r rows (2 N^2 with B_r = d, the 128-row tiles of the released kernels for d = 128).
+Theorem 2 of Dao et al. 2022, Theta(N^2 d^2 / M) with M elements of SRAM, bounds FlashAttention-1's loop
+order (K and V tiles of M / 4d rows resident, Q and O streamed past each), not this one. The forward here
+tallies the bytes of every tile it reads and writes (:class:`HBMTraffic`), so the second formula can be
+checked against what the loop does.
 
 Source: Dao et al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness",
 Algorithms 0 and 1, Theorem 2; Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and
@@ -268,7 +271,8 @@ def attention_hbm_bytes(
     write O: (4 N d + 4 N^2) numbers. ``flash`` (FlashAttention-2's loop, as
     :func:`flash_attention_forward` runs it): Q read and O written once, K and V read once per query tile,
     T_r = ceil(N / B_r) times, and one log-sum-exp written per row: (2 N d + 2 T_r N d) numbers plus N L's.
-    With B_r = M / 4d, the K, V term is 8 N^2 d^2 / M: Theorem 2's Theta(N^2 d^2 / M).
+    With B_r = d (what :func:`flash_block_sizes` gives while d <= M / 4d) the K, V term is 2 N^2 numbers,
+    half of standard attention's 4 N^2.
     """
     if impl not in FLASH_IMPLS:
         raise ValueError(f"impl must be one of {FLASH_IMPLS}, got {impl!r}")
