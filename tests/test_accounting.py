@@ -316,6 +316,26 @@ def test_flops_per_token_with_seq_len_counts_attention():
     assert long - short == 2048 * 3 * 4 * cfg.n_layers * cfg.d_model
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_flop_share_of_gpt3_from_narayanans_closed_form(causal):
+    """GPT-3 175B per token forward: 24 L h^2 (weights), 4 L s h (Q K^T and P V, all s keys) and 2 h V (head);
+    a causal mask leaves (s + 1) / 2 keys per query on average. The factor 3 of training cancels."""
+    cfg = configs.get_model("gpt3-175b")
+    L, h, V, s = cfg.n_layers, cfg.d_model, cfg.vocab_size, 2048
+    attention = 4 * L * s * h * ((s + 1) / (2 * s) if causal else 1)
+    expected = attention / (24 * L * h * h + attention + 2 * h * V)
+    assert accounting.attention_flop_share(cfg, seq_len=s, causal=causal) == pytest.approx(expected, rel=1e-12)
+
+
+def test_attention_is_57_percent_of_llama_405b_at_128k_in_the_mfu_convention_and_40_percent_executed():
+    """The numbers Chapter 8 and the interview page state (issue 33): at 131,072 tokens."""
+    cfg = configs.get_model("llama-3.1-405b")
+    assert round(100 * accounting.attention_flop_share(cfg, seq_len=131072)) == 57
+    assert round(100 * accounting.attention_flop_share(cfg, seq_len=131072, causal=True)) == 40
+    with pytest.raises(ValueError, match="causal"):
+        accounting.attention_flop_share(cfg, seq_len=8, causal="yes")
+
+
 # ------------------------------------------------------------------------------------------- time and devices
 
 

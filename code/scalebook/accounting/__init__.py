@@ -9,7 +9,7 @@ chapters check these numbers against.
     memory   model_state_bytes (ZeRO, mixed precision), activation_bytes (Korthikanti et al., GPT and Llama layers),
              kv_cache_bytes (inference)
     flops    flops_per_token, training_flops (6 N D), training_flops_with_attention (Narayanan et al.),
-             mtp_flops_per_token (DeepSeek-V3's multi-token prediction)
+             attention_flop_share (full and causal), mtp_flops_per_token (DeepSeek-V3's multi-token prediction)
     time     mfu, training_days, devices_needed
     comm     bytes_sent_per_rank, alpha_beta_time, data_parallel_bytes_per_step,
              tensor_parallel_bytes_per_layer, parameter_server_bytes_per_step, parameter_server_time,
@@ -44,6 +44,7 @@ from scalebook.accounting.context import (
     ulysses_problems,
 )
 from scalebook.accounting.flops import (
+    attention_flop_share,
     flops_per_token,
     mtp_flops_per_token,
     training_flops,
@@ -90,6 +91,7 @@ __all__ = [
     "data_parallel_bytes_per_step",
     "deepseek_v3_state_bytes",
     "devices_needed",
+    "attention_flop_share",
     "flops_per_token",
     "format_bytes",
     "kv_cache_bytes",

@@ -67,6 +67,23 @@ def flops_per_token(model: ModelConfig | float, *, seq_len: int | None = None, r
     return (4 if recompute else 3) * layers_forward + 3 * head_forward
 
 
+def attention_flop_share(model: ModelConfig, *, seq_len: int, causal: bool = False) -> float:
+    """Share of a training token's FLOPs (no recomputation) spent on attention's Q K^T and P V.
+
+    ``causal=False`` is the convention of :func:`flops_per_token` and of MFU as Megatron-LM and PaLM count it:
+    every query against all ``seq_len`` keys, 4 s h per layer forward. A causal mask leaves query i only
+    i + 1 keys, (s + 1) / 2 on average, so ``causal=True`` is the share a kernel that skips masked work
+    executes (a tiled kernel computes its diagonal tiles whole, a little more). The weight matmuls and the
+    output layer are the same in both."""
+    _checks.require(_checks.model_config(model), _checks.one_of("causal", causal, (False, True)))
+    full = flops_per_token(model, seq_len=seq_len)
+    attention = 3 * 2 * model.n_layers * seq_len * _score_width(model)
+    if causal:
+        executed = attention * (seq_len + 1) / (2 * seq_len)
+        return executed / (full - attention + executed)
+    return attention / full
+
+
 def mtp_flops_per_token(cfg: ModelConfig, *, seq_len: int) -> float:
     """Training FLOPs per scored token of one multi-token-prediction module over ``seq_len`` positions:
     3 (4 h^2 + 2 W + 4 s h + 2 h V): the projection M_k, one more layer (the last layer's active weights W,
