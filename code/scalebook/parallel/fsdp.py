@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from scalebook import compat  # noqa: F401  (torch < 2.13: the collectives' new names)
+from scalebook.parallel.elementwise import guard_row_shards
 
 QUANT_BLOCK = 256  # values sharing one int8 scale in the quantized all-gather
 
@@ -322,7 +323,7 @@ def _all_gather(shard: torch.Tensor, group) -> torch.Tensor:
 
 def fully_shard(module: nn.Module, *, stage: int = 3, process_group=None, replicate_group=None, policy=None,
                 mp_policy: MixedPrecisionPolicy | None = None, quantized_gather=False, forward_prefetch=False,
-                backward_prefetch=False) -> nn.Module:  # fmt: skip
+                backward_prefetch=False, elementwise_optimizers=()) -> nn.Module:  # fmt: skip
     """Shard ``module``'s parameters, gradients and (through them) optimizer state over ``process_group``, in place.
 
     Units: the modules ``policy`` selects (a predicate, or a list of submodules), by default ``module.blocks``'s
@@ -338,11 +339,15 @@ def fully_shard(module: nn.Module, *, stage: int = 3, process_group=None, replic
     computes (the module's docstring); ``replicate_group`` makes it HSDP: ``process_group`` is then the shard
     group, and the shards' gradients are also averaged over ``replicate_group`` (one rank of each other shard
     group), from whose first rank the parameters are broadcast too.
+
+    The optimizer must be elementwise (:mod:`scalebook.parallel.elementwise`), as a row shard hides the whole
+    tensor: its step refuses any other class before updating, unless ``elementwise_optimizers`` lists it.
     """
     rank, world_size = _group_rank_and_size(process_group)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     assignment = _check_fully_shard(module, stage, policy, mp_policy, quantized_gather, process_group,
                                     replicate_group)  # fmt: skip
+    guard_row_shards(module.parameters(), elementwise_optimizers)
     with torch.no_grad():
         for group in [process_group] + ([replicate_group] if replicate_group is not None else []):
             first = dist.get_global_rank(group or dist.group.WORLD, 0)

@@ -12,10 +12,11 @@ with any ``torch.optim`` optimizer runs unchanged:
              unit's forward and backward.
 
 Stage 1 lays each parameter group end to end in one flat buffer padded to a multiple of N, and rank r steps
-elements [r s, (r + 1) s) as in the ZeRO paper: even shards, for elementwise optimizers (SGD, Adam, AdamW);
-torch's version assigns whole tensors. Stages 2 and 3 (row shards, units, prefetching, HSDP) live in
-:mod:`scalebook.parallel.fsdp` and are importable from here too; :func:`clip_grad_norm_` and
-:func:`held_bytes` serve every stage.
+elements [r s, (r + 1) s) as in the ZeRO paper: even shards, right only for elementwise optimizers (SGD, Adam,
+AdamW, ...; every stage refuses the others, :mod:`scalebook.parallel.elementwise`); torch's version assigns
+whole tensors to ranks instead, which suits an optimizer that looks at one tensor at a time. Stages 2 and 3
+(row shards, units, prefetching, HSDP) live in :mod:`scalebook.parallel.fsdp` and are importable from here
+too; :func:`clip_grad_norm_` and :func:`held_bytes` serve every stage.
 
 Source: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
 Sec. 5 and 7; Zhao et al. 2023, "PyTorch FSDP"; Wang et al. 2023, "ZeRO++" (int8 all-gather); PyTorch
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scalebook.measure import StateBytes  # bytes by kind; in mixed precision the fp32 shards are the master copy
+from scalebook.parallel.elementwise import check_elementwise
 from scalebook.parallel.fsdp import (  # noqa: F401  (stages 2 and 3, importable from here as before)
     QUANT_BLOCK,
     MixedPrecisionPolicy,
@@ -85,12 +87,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     ``state_dict()`` is this rank's shard (one file per rank). ``reduce_scatter_gradients=True`` is the ZeRO
     paper's stage 1: no DDP, ``step()`` reduce-scatters the local gradients so that each rank receives only the
     mean of the slice it steps: the all-reduce's bytes in all, where DDP's all-reduce and the all-gather send 1.5x.
+
+    ``optimizer_class`` must be elementwise (:mod:`scalebook.parallel.elementwise`): a slice cut anywhere hides
+    the whole tensor, so another class is refused here unless ``elementwise=True`` declares it so. Torch's
+    ``ZeroRedundancyOptimizer`` assigns whole tensors to ranks instead, the alternative for per-tensor updates.
     """
 
     def __init__(self, params, optimizer_class: type[torch.optim.Optimizer], process_group=None, *,
-                 reduce_scatter_gradients: bool = False, **defaults):  # fmt: skip
+                 reduce_scatter_gradients: bool = False, elementwise: bool = False, **defaults):  # fmt: skip
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError(f"optimizer_class must be a torch.optim.Optimizer class, got {optimizer_class!r}")
+        check_elementwise(optimizer_class, declared=elementwise, declare="pass elementwise=True",
+                          shards="each rank steps a slice of a flat buffer that cuts the tensors anywhere")  # fmt: skip
         groups = _unique_param_groups(params)
         trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
         if not any(trainable):
