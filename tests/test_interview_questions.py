@@ -38,6 +38,12 @@ def _gpt3():
     return configs.get_model("gpt3-175b")
 
 
+def _korthikanti_175b():
+    from scalebook import calibration
+
+    return next(run for run in calibration.RUNS if run.name == "Korthikanti 175B")
+
+
 def _h100_bf16() -> float:
     return configs.get_hardware("h100-sxm").peak("bf16")
 
@@ -126,12 +132,12 @@ def _gpt3_on_1024_params() -> float:
 @functools.cache
 def _gpt3_1024_plan():
     """Chapter 14's planner on GPT-3 175B, 1,024 A100 80 GB in nodes of 8 over HDR InfiniBand, micro-batch 1,
-    no interleaving (the interview question's sketch), 50 % of peak in the matmuls."""
+    no interleaving (the interview question's sketch); step times and MFU predicted by the system model."""
     from scalebook import planner
 
     cluster = planner.Cluster(gpu="a100-sxm4-80gb", nodes=128, inter_node_link="infiniband-hdr")
     return planner.plan(_gpt3(), seq_len=2048, global_batch_tokens=_gpt3().batch_sequences * 2048, cluster=cluster,
-                        mfu=0.5, micro_batches=(1,), zero_stages=(1,), virtual_stages=(1,))  # fmt: skip
+                        micro_batches=(1,), zero_stages=(1,), virtual_stages=(1,))  # fmt: skip
 
 
 def _gpt3_megatron_estimate():
@@ -166,6 +172,10 @@ CLAIMS = (
     Claim(2, "about {} A100s at 35 % MFU",
           lambda: round(accounting.devices_needed(175e9, 300e9, 30, _a100_bf16(), 0.35), -2), "{:,.0f}"),
     Claim(2, "an MFU of {} to {} %", (lambda: 44 * 3 / 4, lambda: 52 * 3 / 4)),
+    Claim(2, "Korthikanti et al. (2022) measured {} % MFU", lambda: _pct(_korthikanti_175b().published), "{:.1f}"),
+    Claim(2, "at that rate the month takes about {} A100s",
+          lambda: round(accounting.devices_needed(_gpt3(), 300e9, 30, _a100_bf16(), _korthikanti_175b().published,
+                                                  seq_len=2048), -1)),
     Claim(6, "GPT-2's embedding is {} % of its 124M parameters",
           lambda: _pct(accounting.param_breakdown(configs.get_model("gpt2"))["token embedding"]
                        / accounting.param_count(configs.get_model("gpt2")))),
