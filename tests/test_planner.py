@@ -1,12 +1,15 @@
-"""The layout planner: Llama 3.1 405B's published layout is feasible and near the top; rules reject with reasons."""
+"""The layout planner: it ranks with the system model (no assumed utilization), Llama 3.1 405B's published layout
+is feasible and near the top, the reasons of the rejected layouts are kept, bad input is refused."""
 
-from dataclasses import replace
+import inspect
 
 import pytest
 
-from scalebook import accounting, configs, planner
+from scalebook import planner
 
 LLAMA = dict(seq_len=8192, global_batch_tokens=16 * 2**20, cluster=planner.Cluster(nodes=2048))
+# Grattafiori et al. 2024, Table 4: TP 8, CP 1, PP 16, DP 128 on 16,384 H100 for 8K sequences.
+META = dict(tp=8, pp=16, dp=128, cp=1)
 
 
 @pytest.fixture(scope="module")
@@ -14,44 +17,54 @@ def llama_plan():
     return planner.plan("llama-3.1-405b", **LLAMA)
 
 
-def test_llama3_405b_layout_tp8_pp16_dp128_is_feasible_and_near_the_top(llama_plan):
-    # Grattafiori et al. 2024, Table 4: TP 8, CP 1, PP 16, DP 128 on 16,384 H100 for 8K sequences.
-    position = llama_plan.rank_of(tp=8, pp=16, dp=128, cp=1)
-    meta = llama_plan.ranked[position]
+def test_plan_takes_no_mfu_and_says_why():
+    assert "mfu" not in inspect.signature(planner.plan).parameters
+    with pytest.raises(TypeError, match="predicts utilization"):
+        planner.plan("gpt2", seq_len=1024, global_batch_tokens=8192, cluster=planner.Cluster(nodes=1), mfu=0.5)
+
+
+def test_llama3_layout_is_feasible_and_the_best_without_context_parallelism_within_5_percent(llama_plan):
+    meta = llama_plan.ranked[llama_plan.rank_of(**META)]
     without_cp = [e for e in llama_plan.ranked if e.layout.cp == 1]
-    assert position < 0.02 * len(llama_plan.ranked)  # in the top 2 % of the feasible layouts
-    assert without_cp.index(meta) < 3  # and among the best three that use no context parallelism
-    assert meta.step_time < 1.2 * llama_plan.ranked[0].step_time  # within 20 % of the best estimate
-    assert meta.memory <= 0.9 * 80e9
+    # 5 %: the acceptance bound of issue 33 for a layout a published run used.
+    assert meta.step_time <= 1.05 * without_cp[0].step_time
+    assert meta.memory <= 80e9  # it fits in the H100's 80 GB, as it did for Meta
+    assert meta.layout.recompute == "selective"  # Meta trained 8K sequences without activation checkpointing
+    assert llama_plan.rank_of(**META) < 0.01 * len(llama_plan.ranked)  # top 1 % of the feasible layouts
 
 
-def test_partial_recomputation_is_the_fewest_full_layers_that_fit(llama_plan):
-    meta = llama_plan.ranked[llama_plan.rank_of(tp=8, pp=16, dp=128, cp=1)]
-    assert meta.layout.recompute == "selective" and meta.layout.full_recompute_layers >= 1
-    budget = 0.9 * 80e9
-    fewer = replace(meta.layout, full_recompute_layers=meta.layout.full_recompute_layers - 1)
-    cfg = configs.get_model("llama-3.1-405b")
-    gpu = configs.get_hardware("h100-sxm")
-    again = planner._estimate(cfg, fewer, 8192, 2048, planner.Cluster(nodes=2048), gpu.peak("bf16"), 0.5,
-                              gpu.intra_node_bandwidth, configs.get_link("infiniband-ndr").bandwidth,
-                              accounting.param_count(cfg))  # fmt: skip
-    assert again.memory > budget  # one layer fewer would not fit
-    assert again.step_time < meta.step_time < 1.2 * again.step_time  # recomputing costs time, a little
+def test_the_layouts_ahead_of_llama3s_win_on_the_pipeline_bubble(llama_plan):
+    """With 2,048 sequences over 128 replicas, Meta's pipeline runs 16 micro-batches on 16 stages, a bubble of
+    (p - 1) / (v m) = 15/64 of the work (the paper's own formula). Every layout predicted more than 5 % faster
+    (the resolution issue 33 asks of the ranking) halves the bubble by having fewer replicas (context
+    parallelism), and the bubble it saves is more than its whole lead: what it pays elsewhere (CP, data-parallel
+    sync, smaller matmuls) is smaller."""
+    position = llama_plan.rank_of(**META)
+    meta = llama_plan.ranked[position]
+    bubble = meta.parts["bubble"] / (meta.parts["compute"] + meta.parts["tp"])
+    assert bubble == pytest.approx(15 / 64, rel=0.02)  # 2 %: the stage's largest chunk vs the mean
+    clearly_faster = [e for e in llama_plan.ranked[:position] if e.step_time < meta.step_time / 1.05]
+    assert clearly_faster and all(e.layout.cp > 1 for e in clearly_faster)
+    for faster in clearly_faster:
+        saved = meta.parts["bubble"] - faster.parts["bubble"]
+        assert 0 < meta.step_time - faster.step_time < saved
+
+
+def test_predicted_mfu_is_model_flops_over_peak(llama_plan):
+    # 6 N + attention per token, 2,048 x 8,192 tokens, 16,384 x 989 TFLOP/s (H100 SXM dense bf16).
+    from scalebook import accounting, configs
+
+    meta = llama_plan.ranked[llama_plan.rank_of(**META)]
+    per_token = accounting.flops_per_token(configs.get_model("llama-3.1-405b"), seq_len=8192)
+    assert meta.mfu == pytest.approx(per_token * 16 * 2**20 / (meta.step_time * 16384 * 989e12), rel=1e-3)
 
 
 def test_rejections_carry_their_reasons(llama_plan):
     reasons = llama_plan.rejected
-    assert reasons["TP beyond a node"] > 0
-    assert reasons["memory > 90% of 80 GB"] > 0
-    # TP16 would cross the node boundary: no ranked layout uses it.
-    assert all(e.layout.tp <= 8 for e in llama_plan.ranked)
-
-
-def test_zero2_and_zero3_combine_with_pipeline_parallelism(llama_plan):
-    # FSDP2 x TP x PP is torchtitan's recipe: only DeepSpeed refuses ZeRO-2/3 under a pipeline.
-    stages = {e.layout.zero_stage for e in llama_plan.ranked if e.layout.pp > 1}
-    assert stages == {0, 1, 2, 3}
-    assert not any("ZeRO" in reason for reason in llama_plan.rejected)
+    assert reasons["does not fit in memory"] > 0
+    assert reasons["fewer micro-batches than pipeline stages"] > 0
+    assert all(e.layout.tp <= 8 for e in llama_plan.ranked)  # TP stays inside the node's NVLink
+    assert all(e.memory <= 80e9 for e in llama_plan.ranked)
 
 
 def test_data_parallel_time_charges_zero2_and_zero3_per_micro_batch():
@@ -81,3 +94,6 @@ def test_bad_input_raises_value_error_before_searching():
         planner.plan("gpt2", seq_len=1024, global_batch_tokens=4096, cluster=planner.Cluster(gpu="tpu"))
     with pytest.raises(ValueError, match="power of two"):
         planner.plan("gpt2", seq_len=1024, global_batch_tokens=4096, cluster=planner.Cluster(nodes=3))
+    with pytest.raises(ValueError, match="zero_stages"):
+        planner.plan("gpt2", seq_len=1024, global_batch_tokens=4096, cluster=planner.Cluster(nodes=1),
+                     zero_stages=(4,))  # fmt: skip

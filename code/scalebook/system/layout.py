@@ -27,8 +27,11 @@ class TrainingLayout:
     ``attention``: ``fused`` (FlashAttention) or ``explicit`` (scores in HBM). ``overlap_dp``: gradient
     reduce-scatter under the last backward and parameter all-gather under the next forward (Megatron-Core's
     ``--overlap-grad-reduce --overlap-param-gather``, FSDP); off, the whole data-parallel sync is exposed.
-    ``async_tp``: tensor-parallel collectives overlap the matmuls. ``overlap_p2p``: pipeline sends hidden in the
-    steady state. ``grad_reduce_bytes``: 4 for fp32 gradient reduction (Megatron, Llama 3), 2 for bf16.
+    ``async_tp``: tensor-parallel collectives overlap the matmuls. ``overlap_tp_backward``: the column-parallel
+    layers' backward collectives overlap their gradient GEMMs (Megatron-LM's
+    ``LinearWithGradAccumulationAndAsyncCommunication``, on since its sequence-parallel release of 2022; off for
+    Narayanan et al. 2021's runs). ``overlap_p2p``: pipeline sends hidden in the steady state.
+    ``grad_reduce_bytes``: 4 for fp32 gradient reduction (Megatron, Llama 3), 2 for bf16.
     ``matmul_dtype``: ``bf16`` or ``fp8`` (DeepSeek-V3). ``node_limit``: most nodes a token's experts span.
     ``compute_share``: the share of the GPU's SMs left to compute kernels when communication kernels keep the
     rest (DeepSeek-V3's DualPipe gives 20 of the H800's 132 SMs to all-to-all: 112/132).
@@ -49,6 +52,7 @@ class TrainingLayout:
     cp_mode: str = "all_gather"
     overlap_dp: bool = True
     async_tp: bool = False
+    overlap_tp_backward: bool = True
     overlap_p2p: bool = False
     grad_reduce_bytes: int = 4
     matmul_dtype: str = "bf16"

@@ -4,11 +4,29 @@
   ZeRO stage (:func:`scalebook.accounting.memory.model_state_bytes`), mixed precision (16 bytes per
   parameter before sharding); routed experts are split ``ep`` ways and sharded over their ``dp cp / ep``
   replicas.
-- **activations**: :func:`scalebook.accounting.memory.activation_bytes` for the stage's layers, fused or
-  explicit attention, with the recomputation and sequence parallelism of the layout, without dropout, times the
-  micro-batches the first stage holds in flight (:func:`scalebook.accounting.pipeline.peak_in_flight`; DualPipe
-  holds ``p + 1``). A MoE layer is counted with its dense MLP's width (the routed copies' hidden tensors are
-  not modelled).
+- **activations**: :func:`layer_activation_bytes` for each of the stage's layers, times the micro-batches the
+  busiest stage holds in flight (:func:`scalebook.accounting.pipeline.peak_in_flight`, Megatron-LM's warm-up
+  count; an interleaved rank holds chunks of ``layers / v`` layers each; DualPipe holds ``p + 1``). What a layer
+  keeps for its backward, per token, in 16-bit elements (``a`` is ``h / t`` under sequence parallelism, else
+  ``h``; no dropout):
+
+  * the inputs of its two norms, ``2 a``, always;
+  * the norms' outputs (the inputs of the QKV and MLP matmuls), ``2 a``, unless recomputation is
+    ``selective``: then they are recomputed from the saved inputs in the backward (Megatron-Core's
+    ``--recompute-modules layernorm``; what PyTorch's compiler does with cheap pointwise results);
+  * Q and the attention output, ``2 h / t``; K and V, ``2 d_kv / t`` (explicit attention without
+    recomputation keeps them repeated to all heads, and its ``n_h s^2 / t`` scores);
+  * the MLP's hidden tensors: GELU's input and output, ``2 d_ff / t``; SwiGLU's gate and up projections and
+    their product, ``3 d_ff / t``: the fused SwiGLU kernel saves only its input (gate and up) and recomputes
+    the SiLU in its backward, and the down projection saves the product (four tensors would also count the
+    SiLU output, which no fused kernel keeps). ``selective`` recomputes the activation's output from its
+    input as well (Megatron-Core's ``moe_act`` for experts; PyTorch's compiler for every pointwise op),
+    leaving ``d_ff / t`` (GELU) or ``2 d_ff / t`` (SwiGLU);
+  * with ``full`` recomputation, only the layer's input, ``a``.
+
+  A MoE layer is counted with its dense MLP's width (the routed copies' hidden tensors are not modelled).
+  These recomputations cost one pointwise pass each in the backward
+  (:func:`scalebook.system.compute.rematerialized_bytes`), charged in the step time.
 - **logits**: the fp32 logits of one micro-batch and their gradient, ``2 x 4 b s V / (t cp)`` bytes, counted
   on the busiest GPU only when there is one stage (the last stage holds fewer activations than the first).
 - **temporary**: two gathered or transposed copies of one layer's bf16 weights, and one fp32 copy of the
@@ -23,7 +41,7 @@ Source: Rajbhandari et al. 2020 (ZeRO); Korthikanti et al. 2022 (activations); N
 
 from __future__ import annotations
 
-from scalebook.accounting.memory import activation_bytes, model_state_bytes
+from scalebook.accounting.memory import model_state_bytes
 from scalebook.accounting.params import layer_weights
 from scalebook.accounting.pipeline import peak_in_flight
 from scalebook.configs import ModelConfig
@@ -32,6 +50,22 @@ from scalebook.system.step import stage_params
 
 RUNTIME_BYTES = 1.5e9
 FRAGMENTATION = 0.05
+
+
+def layer_activation_bytes(cfg: ModelConfig, lay: TrainingLayout, *, seq_len: int) -> float:
+    """Bytes one layer keeps for its backward on one GPU for one micro-batch (the inventory in the module
+    docstring): ``micro_batch * seq_len / cp`` tokens, 16-bit tensors, no dropout."""
+    n, h, t = lay.micro_batch * seq_len // lay.cp, cfg.d_model, lay.tp
+    a = h / t if lay.sp and t > 1 else h
+    if lay.recompute == "full":
+        return 2 * n * a
+    selective = lay.recompute == "selective"
+    explicit_kept = lay.attention == "explicit" and lay.recompute == "none"
+    kv = (h if explicit_kept else cfg.d_kv) / t
+    mlp = (2 if cfg.mlp == "swiglu" else 1) + (0 if selective else 1)
+    elements = (2 if selective else 4) * a + 2 * h / t + 2 * kv + mlp * -(-cfg.d_ff // t)
+    scores = (cfg.n_heads // t) * (seq_len // lay.cp) * seq_len * lay.micro_batch if explicit_kept else 0
+    return 2 * (n * elements + scores)
 
 
 def memory_by_kind(
@@ -45,19 +79,7 @@ def memory_by_kind(
             expert, zero_stage=lay.zero_stage, dp=max(1, lay.dp * lay.cp // lay.ep), tp=lay.tp * lay.ep
         ).total
     n = lay.micro_batch * seq_len // lay.cp
-    per_layer = (
-        activation_bytes(
-            cfg,
-            seq_len=seq_len // lay.cp,
-            micro_batch=lay.micro_batch,
-            tp=lay.tp,
-            sp=lay.sp and lay.tp > 1,
-            recompute=lay.recompute,
-            attention=lay.attention,
-            dropout=False,
-        )
-        / cfg.n_layers
-    )
+    per_layer = layer_activation_bytes(cfg, lay, seq_len=seq_len)
     if lay.pp == 1:
         in_flight = 1
     elif lay.schedule == "dualpipe":

@@ -1,4 +1,4 @@
-"""Rank parallel layouts by the system model's predicted step time (what ``planner.plan`` does with an ``mfu``).
+"""Rank parallel layouts by the system model's predicted step time (what ``planner.plan`` runs for each ZeRO stage).
 
 Every ``tp pp cp dp`` that multiplies to the cluster's GPUs (powers of two, ``tp`` within an NVLink domain,
 ``pp`` at most the layers) is combined with the virtual stages, micro-batch sizes and recomputation policies

@@ -5,7 +5,11 @@ For the busiest pipeline stage, one micro-batch costs its layers' forward and ba
 
 - **TP**: two collectives of the layer's ``s b h`` activations forward and two backward (reduce-scatter +
   all-gather under sequence parallelism, two more all-gathers backward to re-gather the sharded inputs), two
-  more forward under full recomputation; exposed, or with ``async_tp`` only what exceeds the matmuls.
+  more forward under full recomputation; exposed, or with ``async_tp`` only what exceeds the matmuls. With
+  ``overlap_tp_backward`` (Megatron-LM's default since its sequence-parallel release) the column-parallel
+  layers' backward collectives (the input-gradient reduce-scatter, or all-reduce without SP, and under SP the
+  re-gather of the saved input shard) run under those layers' weight- and input-gradient GEMMs; only what
+  exceeds the layer's forward matmul time stays exposed.
 - **CP**: Llama 3's all-gather of K and V forward and reduce-scatter of their gradients backward (exposed), or
   a ring whose ``cp - 1`` block transfers hide under the attention kernel.
 - **EP**: a dispatch and a combine all-to-all of the ``k`` routed copies of each token, forward and backward;
@@ -101,8 +105,9 @@ def layer_time(
     backward = (2 * matmuls + attn_b + 2 * elementwise) / lay.compute_share
     if lay.recompute == "full":
         backward += forward
-    elif lay.recompute == "selective" and lay.attention == "explicit":
-        backward += attn_f / lay.compute_share
+    elif lay.recompute == "selective":
+        again = compute.rematerialized_bytes(cfg, layer, n, tp=lay.tp, sp=lay.sp) / hbm
+        backward += (again + (attn_f if lay.attention == "explicit" else 0.0)) / lay.compute_share
     message = n * cfg.d_model * 2
     tp = 0.0
     if lay.tp > 1:
@@ -114,6 +119,11 @@ def layer_time(
         tp = count * pair
         if lay.async_tp:
             tp = max(0.0, tp - 3 * matmuls)
+        elif lay.overlap_tp_backward:
+            # The column-parallel layers' backward collectives (their dgrad reduce-scatter, and under SP the
+            # re-gather of their input) run under their wgrad and dgrad GEMMs, about the layer's forward matmuls.
+            hidden = (1 + (1 if lay.sp else 0)) * pair
+            tp = (count - 1 - (1 if lay.sp else 0)) * pair + max(0.0, hidden - matmuls)
     cp = 0.0
     if lay.cp > 1:
         kv_width = (
