@@ -89,9 +89,7 @@ def write_manifest(root: str | os.PathLike, step: int, meta: dict | None = None)
     files = {}
     for path in sorted(folder.iterdir()):
         if path.is_file() and path.name != MANIFEST:
-            with open(path, "rb") as f:
-                digest = hashlib.file_digest(f, "sha256").hexdigest()
-            files[path.name] = {"bytes": path.stat().st_size, "sha256": digest}
+            files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
     path = folder / MANIFEST
     _atomic_write_text(path, json.dumps({"step": step, "format": FORMAT, "files": files, **(meta or {})},
                                         indent=1) + "\n")  # fmt: skip
@@ -129,31 +127,48 @@ def read_manifest(root: str | os.PathLike, step: int) -> dict:
         raise CheckpointError(f"{path} is unreadable ({error})") from None
 
 
-def _checked_bytes(path: Path, manifest: dict) -> bytes:
-    """The content of ``path``, after checking its size and SHA-256 against ``manifest``."""
+def _sha256(path: Path) -> str:
+    """The SHA-256 of ``path``'s content, read in chunks (never whole into memory)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _file_problem(path: Path, manifest: dict) -> str | None:
+    """What is wrong with ``path`` against ``manifest`` (missing, its size, then its SHA-256), or None."""
     expected = manifest["files"].get(path.name)
     if expected is None:
-        raise CheckpointError(f"{path} is not in its manifest (its files: {', '.join(manifest['files'])})")
+        return f"{path} is not in its manifest (its files: {', '.join(manifest['files'])})"
     if not path.exists():
-        raise CheckpointError(f"{path} is missing")
-    content = path.read_bytes()
-    if len(content) != expected["bytes"]:
-        what = "empty" if not content else "truncated" if len(content) < expected["bytes"] else "too long"
-        raise CheckpointError(f"{path} is {what}: {len(content)} bytes, {MANIFEST} says {expected['bytes']}")
-    if hashlib.sha256(content).hexdigest() != expected["sha256"]:
-        raise CheckpointError(f"{path} is corrupt: its SHA-256 differs from the one in {MANIFEST}")
-    return content
+        return f"{path} is missing"
+    if (size := path.stat().st_size) != expected["bytes"]:
+        what = "empty" if not size else "truncated" if size < expected["bytes"] else "too long"
+        return f"{path} is {what}: {size} bytes, {MANIFEST} says {expected['bytes']}"
+    if _sha256(path) != expected["sha256"]:
+        return f"{path} is corrupt: its SHA-256 differs from the one in {MANIFEST}"
+    return None
 
 
-def verify(root: str | os.PathLike, step: int) -> dict:
+def verify(root: str | os.PathLike, step: int, *, split_over=None) -> dict:
     """Check every file of checkpoint ``step`` against its manifest and return the manifest; CheckpointError
-    naming the first bad file."""
+    naming the first bad file.
+
+    ``split_over``: a process group whose every member calls this at once (a collective). The ranks share the
+    work, each file read once in all: rank r of N checks the manifest's files i with i mod N = r, then the
+    ranks exchange what they found (one ``all_gather_object``), so that every rank raises the same error for a
+    bad file any rank found, or none does. Without it this process checks every file."""
     manifest = read_manifest(root, step)
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{step_dir(root, step)} holds one torch.save file per rank, the format before "
                               f"{FORMAT}: resume it with that version, or use another --checkpoint-dir")  # fmt: skip
-    for name in manifest["files"]:
-        _checked_bytes(step_dir(root, step) / name, manifest)
+    rank, world = (0, 1) if split_over is None else (dist.get_rank(split_over), dist.get_world_size(split_over))
+    problems = {i: problem for i, name in enumerate(manifest["files"])
+                if i % world == rank and (problem := _file_problem(step_dir(root, step) / name, manifest))}  # fmt: skip
+    if split_over is not None:
+        found = [None] * world
+        dist.all_gather_object(found, problems, group=split_over)
+        problems = {i: problem for part in found for i, problem in part.items()}
+    if problems:
+        raise CheckpointError(problems[min(problems)])
     return manifest
 
 
@@ -185,9 +200,10 @@ def clear(root: str | os.PathLike) -> list[str]:
     return ["latest", *(f.name for f in doomed)]
 
 
-def newest_intact(root: str | os.PathLike) -> tuple[int | None, list[str]]:
+def newest_intact(root: str | os.PathLike, *, split_over=None) -> tuple[int | None, list[str]]:
     """The newest checkpoint at or before ``latest`` whose files all match their manifest (None if none), and
-    why each newer one was passed over. Deterministic, so every rank that calls it picks the same step."""
+    why each newer one was passed over. Deterministic, so every rank that calls it picks the same step.
+    ``split_over``: a process group whose ranks share the reading, each file once (see :func:`verify`)."""
     latest = latest_step(root)
     if latest is None:
         return None, []
@@ -195,7 +211,7 @@ def newest_intact(root: str | os.PathLike) -> tuple[int | None, list[str]]:
     problems = []
     for step in (s for s in steps if s <= latest):
         try:
-            verify(root, step)
+            verify(root, step, split_over=split_over)
             return step, problems
         except CheckpointError as error:
             problems.append(str(error))
@@ -226,8 +242,8 @@ class Checkpointer:
 
     ``async_save``: :meth:`save` returns once the state is copied to host memory, and a background thread
     writes it, over a gloo process group created here (a collective) so that its collectives never interleave
-    with training's; the checkpoint is published by :meth:`poll` (call it every step) or :meth:`wait`, which
-    the next save and the end of the run call first. ``keep_last``: after publishing, :func:`prune`.
+    with training's; the checkpoint is published by :meth:`wait`, which the next save and the end of the run
+    call first. ``keep_last``: after publishing, :func:`prune`.
     """
 
     def __init__(self, root: str | os.PathLike, meta: dict, *, keep_last: int | None = None,
@@ -255,11 +271,6 @@ class Checkpointer:
             dcp.save(state, checkpoint_id=where, no_dist=_no_dist())
             self._publish(step)
 
-    def poll(self) -> None:
-        """Publish the background save if it has finished (no waiting, no collective)."""
-        if self.pending and self.pending[1].done():
-            self.wait()
-
     def wait(self) -> None:
         """Wait for the background save, if any, and publish it."""
         if self.pending:
@@ -282,6 +293,12 @@ class Checkpointer:
 
         dcp.load(state, checkpoint_id=step_dir(self.root, step), no_dist=_no_dist())
 
+    def saved_names(self, step: int) -> set[str]:
+        """The names of everything checkpoint ``step`` holds (from DCP's ``.metadata``): what a load may ask for."""
+        import torch.distributed.checkpoint as dcp
+
+        return set(dcp.FileSystemReader(step_dir(self.root, step)).read_metadata().state_dict_metadata)
+
 
 class RunCheckpoints:
     """A training run's checkpoints, through a :class:`Checkpointer`: the model's and optimizer's state
@@ -300,20 +317,24 @@ class RunCheckpoints:
         self.checkpointer = Checkpointer(args.checkpoint_dir, meta, keep_last=args.keep_last,
                                          async_save=args.async_save)  # fmt: skip
 
-    def _state(self, step: int, losses: list[float]) -> dict:
+    def _run_state(self, step: int, losses: list[float]) -> dict:
         losses = torch.tensor(losses, dtype=torch.float64)
-        return {**self.model.state_dict(), "train.generator": self.generator.get_state(),
-                "train.step": torch.tensor(step), "train.losses": losses}  # fmt: skip
+        return {"train.generator": self.generator.get_state(), "train.step": torch.tensor(step),
+                "train.losses": losses}  # fmt: skip
 
     def save(self, step: int, losses: list[float]) -> None:
-        self.checkpointer.save(self._state(step, losses), step)
+        self.checkpointer.save({**self.model.state_dict(), **self._run_state(step, losses)}, step)
 
     def resume(self, start: int) -> list[float]:
         """Load checkpoint ``start`` (the pre-flight's newest intact one; 0: none) into the model and the data
-        generator; the losses so far."""
+        generator; the losses so far. The optimizer gets the state the checkpoint holds, and only that."""
+        from scalebook.train.state_dict import get_state_dict
+
         if not start:
             return []
-        state = self._state(start, [0.0] * start)  # tensors of this layout's shapes, for DCP to fill
+        saved = self.checkpointer.saved_names(start)
+        # Tensors of this layout's shapes for DCP to fill: the optimizer state the checkpoint holds, no other.
+        state = {**get_state_dict(self.model, saved=saved), **self._run_state(start, [0.0] * start)}
         self.checkpointer.load(state, start)
         self.model.load_state_dict(state)
         self.generator.set_state(state["train.generator"])

@@ -33,6 +33,12 @@ zero1               the optimizer state lives in one flat buffer cut without reg
 A state dict's DTensors view the live tensors, so ``dcp.load`` writes straight into the model and the
 optimizer; :func:`set_state_dict` then copies what was loaded into a copy (a gathered tensor) back into place.
 
+Saving changes nothing. A parameter without optimizer state (before the first step, or one that never had a
+gradient) is saved without ``optim.`` entries; a load asks for the optimizer state the checkpoint holds (its
+names: ``get_state_dict(pm, saved=...)``) and leaves the other parameters without state, so a resumed run
+creates it at the same step as an uninterrupted one (an earlier version stepped such parameters at lr 0 on
+every save, which moved AdamW's step count and so its bias correction).
+
 Source: PyTorch documentation, "Distributed Checkpoint - torch.distributed.checkpoint" and
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` (FQN-keyed model and optimizer state);
 torchtitan ``torchtitan/components/checkpoint.py``; Rajbhandari et al. 2020 (ZeRO's partitions).
@@ -40,7 +46,7 @@ torchtitan ``torchtitan/components/checkpoint.py``; Rajbhandari et al. 2020 (ZeR
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -162,9 +168,9 @@ class _Presenter:
         return _replicated()
 
 
-def _entries(pm) -> dict[str, tuple[torch.Tensor, _Layout]]:
+def _entries(pm, presenter: _Presenter) -> dict[str, tuple[torch.Tensor, _Layout]]:
     """Every tensor of the state under its global name: the live local tensor and its layout."""
-    presenter, entries = _Presenter(pm), {}
+    entries = {}
     params = dict(pm.model.named_parameters())
     for name, param in params.items():
         entries[f"model.{presenter.name(name)}"] = (param.detach(), presenter.layout(name, param))
@@ -183,7 +189,7 @@ def _optimizer_entries(pm, presenter: _Presenter, params: dict) -> dict:
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return _zero1_entries(optimizer, presenter, params)
     for name, param in params.items():
-        for key, value in optimizer.state[param].items():
+        for key, value in optimizer.state.get(param, {}).items():  # .get: state is a defaultdict
             layout = presenter.layout(name, param) if value.dim() else _replicated()
             entries[f"optim.{presenter.name(name)}.{key}"] = (value, layout)
     return entries
@@ -194,7 +200,7 @@ def _zero1_entries(optimizer, presenter: _Presenter, params: dict) -> dict:
     names = {id(p): n for n, p in params.items()}
     entries = {}
     for _, flat in optimizer._pairs():
-        for key, value in optimizer.optim.state[flat.shard].items():
+        for key, value in optimizer.optim.state.get(flat.shard, {}).items():
             if value.dim():
                 whole = value.new_empty(flat.flat.numel())
                 dist.all_gather_single(whole, value, group=optimizer.process_group)
@@ -223,46 +229,95 @@ def _slice_back(layout: _Layout, shard: torch.Tensor, flat, offset: int, param) 
     return _Layout(layout.present, restore)
 
 
-def _init_optimizer_state(pm) -> None:
-    """Give every parameter that has none its optimizer state (zeros: before the first step, or a parameter that
-    never had a gradient) so that a load has tensors to fill: one step at a learning rate of 0 with zero gradients
-    for those parameters and none for the others, which the optimizer skips; the weights stay as they are
-    (``torch.distributed.checkpoint.state_dict`` does the same). ZeRO-1's inner optimizer steps one flat shard:
-    all of its state exists, or none."""
+def _state_owners(pm, presenter: _Presenter, params: dict) -> dict[str, tuple[dict, torch.Tensor]]:
+    """Each parameter's name prefix in the state, ``optim.<global name>``, -> where its optimizer state lives:
+    (the ``state`` dict of an optimizer, its key there). ZeRO-1's parameters of one group share their flat shard."""
     from scalebook.parallel.zero import ZeroRedundancyOptimizer
 
-    params = [p for group in pm.optimizer.param_groups for p in group["params"]]
-    if isinstance(pm.optimizer, ZeroRedundancyOptimizer):
-        inner = pm.optimizer.optim
-        missing = set() if all(inner.state.get(s) for g in inner.param_groups for s in g["params"]) else set(params)
-    else:
-        missing = {p for p in params if not pm.optimizer.state.get(p)}
+    optimizer = pm.optimizer
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        names = {id(p): n for n, p in params.items()}
+        return {f"optim.{presenter.name(names[id(p)])}": (optimizer.optim.state, flat.shard)
+                for _, flat in optimizer._pairs() for p in flat.params}  # fmt: skip
+    return {f"optim.{presenter.name(name)}": (optimizer.state, p) for name, p in params.items()}
+
+
+def _prefix(key: str) -> str:
+    """``optim.<global name>`` of ``optim.<global name>.<state key>`` (state keys hold no dot: step, exp_avg)."""
+    return key.rsplit(".", 1)[0]
+
+
+def _init_optimizer_state(pm, owners: dict[str, tuple[dict, torch.Tensor]], saved: set[str]) -> None:
+    """Before a load only: give every parameter that has optimizer state in the checkpoint (``saved``: its
+    ``optim.<name>`` prefixes) and none here the tensors for DCP to fill, by one step at a learning rate of 0
+    with zero gradients for those parameters and none for the others, which the optimizer skips (as
+    ``torch.distributed.checkpoint.state_dict`` does). The values that step makes are not anyone's state (an
+    Adam step count of 1, an Rprop step size of lr = 0): the load overwrites every one of them, and the
+    weights too. The gradients are put back. ZeRO-1's inner optimizer steps one flat shard: all of its state
+    exists, or none; every rank decides alike, since ``saved`` is the checkpoint's."""
+    from scalebook.parallel.zero import ZeroRedundancyOptimizer
+
+    missing = {id(key) for prefix, (state, key) in owners.items() if prefix in saved and not state.get(key)}
     if not missing:
         return
-    lrs = [group["lr"] for group in pm.optimizer.param_groups]
+    params = [p for group in pm.optimizer.param_groups for p in group["params"]]
+    if isinstance(pm.optimizer, ZeroRedundancyOptimizer):
+        missing = {id(p) for p in params}
+    grads, lrs = [p.grad for p in params], [group["lr"] for group in pm.optimizer.param_groups]
     for group in pm.optimizer.param_groups:
         group["lr"] = 0.0
     for p in params:
-        p.grad = torch.zeros_like(p) if p in missing else None
+        p.grad = torch.zeros_like(p) if id(p) in missing else None
     pm.optimizer.step()
-    pm.optimizer.zero_grad(set_to_none=True)
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = grad
     for group, lr in zip(pm.optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
 
 
-def get_state_dict(pm) -> dict[str, torch.Tensor]:
+def get_state_dict(pm, *, saved: Collection[str] | None = None) -> dict[str, torch.Tensor]:
     """This rank's model and optimizer state for DCP: global names, DTensors where the rank holds a chunk
-    (see the module docstring). A collective under tp (the QKV matrices) and zero1 (the optimizer state)."""
-    _init_optimizer_state(pm)
-    return {key: layout.present(local) for key, (local, layout) in _entries(pm).items()}
+    (see the module docstring). A collective under tp (the QKV matrices) and zero1 (the optimizer state).
+
+    For a save (``saved`` None) it changes nothing: a parameter without optimizer state (before the first
+    step, or one that never had a gradient) has no ``optim.`` entries, so a resumed run creates that state
+    at the same step as an uninterrupted one. For a load, ``saved`` is the names the checkpoint holds
+    (:meth:`~scalebook.train.checkpoint.Checkpointer.saved_names`): the result is the tensors for ``dcp.load``
+    to fill, the optimizer state of exactly the parameters that have some there (created here if missing);
+    :func:`set_state_dict` then drops the state of the others."""
+    presenter = _Presenter(pm)
+    if saved is not None:
+        saved_prefixes = {_prefix(key) for key in saved if key.startswith("optim.")}
+        _init_optimizer_state(pm, _state_owners(pm, presenter, dict(pm.model.named_parameters())), saved_prefixes)
+    entries = _entries(pm, presenter)
+    if saved is not None:
+        entries = {key: entry for key, entry in entries.items() if not key.startswith("optim.") or key in saved}
+    return {key: layout.present(local) for key, (local, layout) in entries.items()}
 
 
 @torch.no_grad()
 def set_state_dict(pm, state: dict[str, torch.Tensor]) -> None:
     """Copy ``state`` (a :func:`get_state_dict` of this layout, filled by ``dcp.load``) into the live model
-    and optimizer; a name missing from ``state`` is a KeyError naming it."""
-    _init_optimizer_state(pm)
-    for key, (local, layout) in _entries(pm).items():
-        if key not in state:
-            raise KeyError(f"{key} is not in the loaded state (its names: {', '.join(list(state)[:5])}, ...)")
-        layout.restore(local, state[key])
+    and optimizer. A parameter whose optimizer state ``state`` lacks entirely has none afterwards (as when the
+    checkpoint was saved); a model name missing from ``state``, or part of a parameter's optimizer state, is a
+    KeyError naming it, and so is optimizer state this optimizer has no tensors for (build ``state`` with
+    ``get_state_dict(pm, saved=...)``)."""
+    presenter = _Presenter(pm)
+    entries = _entries(pm, presenter)
+    unknown = [key for key in state if key.startswith("optim.") and key not in entries]
+    if unknown:
+        raise KeyError(f"{unknown[0]} has no tensor in this optimizer to load into: build the state to load "
+                       "with get_state_dict(pm, saved=<the checkpoint's names>)")  # fmt: skip
+    absent = [key for key in entries if key not in state]
+    partial = {_prefix(key) for key in absent} & {_prefix(key) for key in state if key.startswith("optim.")}
+    if problem := next((key for key in absent if not key.startswith("optim.") or _prefix(key) in partial), None):
+        raise KeyError(f"{problem} is not in the loaded state (its names: {', '.join(list(state)[:5])}, ...)")
+    for key, (local, layout) in entries.items():
+        if key in state:
+            layout.restore(local, state[key])
+    present = {_prefix(key) for key in state if key.startswith("optim.")}
+    owners = _state_owners(pm, presenter, dict(pm.model.named_parameters()))
+    kept = {id(owners[prefix][1]) for prefix in present if prefix in owners}
+    for prefix, (opt_state, key) in owners.items():
+        if prefix not in present and id(key) not in kept:
+            opt_state.pop(key, None)
