@@ -2,11 +2,17 @@
 
 - **states**: parameters, gradients and Adam state of the first stage's layers (the embedding with them), by
   ZeRO stage (:func:`scalebook.accounting.memory.model_state_bytes`), mixed precision (16 bytes per
-  parameter before sharding); routed experts are split ``ep`` ways and sharded over their ``dp cp / ep``
-  replicas.
+  parameter before sharding: gradients counted in bf16); routed experts are split ``ep`` ways and sharded over
+  their ``dp cp / ep`` replicas. Not counted: a run that accumulates unsharded gradients in fp32 (Megatron's
+  ``main_grad``; Llama 3 says it does) holds 2 more bytes per parameter of its stage, 7 GB for Llama 3's.
 - **activations**: :func:`layer_activation_bytes` for each of the stage's layers, times the micro-batches the
   busiest stage holds in flight (:func:`scalebook.accounting.pipeline.peak_in_flight`, Megatron-LM's warm-up
-  count; an interleaved rank holds chunks of ``layers / v`` layers each; DualPipe holds ``p + 1``). What a layer
+  count; an interleaved rank holds chunks of ``layers / v`` layers each; DualPipe holds ``p + 1``). This is not
+  an overcount: with ``m = p`` micro-batches Megatron's interleaved warm-up, ``2 (p - r - 1) + (v - 1) p``
+  chunks, covers all ``v m`` chunks on the first ranks, so they hold every micro-batch's activations of all
+  their layers, as non-interleaved 1F1B's first stage does (Llama 3's 16,384-GPU layout: 16 micro-batches of
+  8 layers). The count assumes the busiest stage holds the most layers of any (Llama 3 gives its first and last
+  stage one layer fewer; the ranks just after the first hold as many micro-batches and a full share). What a layer
   keeps for its backward, per token, in 16-bit elements (``a`` is ``h / t`` under sequence parallelism, else
   ``h``; no dropout):
 
@@ -36,7 +42,10 @@
   segments), stated, not measured.
 
 Source: Rajbhandari et al. 2020 (ZeRO); Korthikanti et al. 2022 (activations); Narayanan et al. 2021, Sec. 2.2
-(in-flight micro-batches); PyTorch documentation, "CUDA semantics: memory management" (caching allocator).
+(in-flight micro-batches); Megatron-LM ``megatron/core/pipeline_parallel/schedules.py`` (interleaved warm-up) and
+``--recompute-modules`` (selective recomputation of ``layernorm``, ``moe_act``, ``core_attn``); Grattafiori et al.
+2024, Sec. 3.3.2 (8K sequences trained without activation checkpointing; FP32 gradient accumulation); PyTorch
+documentation, "CUDA semantics: memory management" (caching allocator).
 """
 
 from __future__ import annotations
