@@ -1,5 +1,6 @@
 """ZeRO stages 2 and 3 as FSDP2 shapes them: ``fully_shard(model)`` shards any module in place, so that any
-``torch.optim`` optimizer steps the shards; with prefetching, and hybrid sharding (HSDP) on a 2-D group.
+elementwise ``torch.optim`` optimizer steps the shards; with prefetching, and hybrid sharding (HSDP) on a 2-D
+group.
 
 Each parameter is sharded along dim 0 as FSDP2 does (padded to a multiple of N, rank r keeps rows
 [r k, (r + 1) k)), in the same ``nn.Parameter``. A *unit* (a block, or the root holding the rest) all-gathers

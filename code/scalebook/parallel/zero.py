@@ -2,7 +2,7 @@
 
 DDP (Chapter 10) keeps the parameters, gradients and optimizer state whole on each of N ranks. ZeRO removes
 that redundancy one kind of state at a time; here each stage has PyTorch's shape, so that a training loop
-with any ``torch.optim`` optimizer runs unchanged:
+with any elementwise ``torch.optim`` optimizer runs unchanged:
 
     stage 1  ZeroRedundancyOptimizer(params, AdamW, ...) wraps an optimizer: each rank steps the optimizer
              state of 1/N of the elements, then an all-gather brings every rank the updated parameters.
