@@ -64,7 +64,23 @@ def _verify_on_each_rank(root: str) -> dict:
         out["verify"] = str(error)
     out["fallback"] = checkpoint.newest_intact(root, split_over=dist.group.WORLD)
     out["hashed after"] = list(hashed)
+    if dist.get_rank() == 1:  # a file rank 1 cannot read (file 3 of step 2): an error there, not a hang on rank 0
+        checkpoint._sha256 = _unreadable("__3_0.distcp", checkpoint._sha256)
+    try:
+        checkpoint.verify(root, 2, split_over=dist.group.WORLD)
+        out["unreadable"] = "no error"
+    except checkpoint.CheckpointError as error:
+        out["unreadable"] = str(error)
     return out
+
+
+def _unreadable(name: str, sha256):
+    def hashed(path):
+        if path.name == name:
+            raise PermissionError(13, "Permission denied", str(path))
+        return sha256(path)
+
+    return hashed
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +102,12 @@ def test_a_file_only_one_rank_hashed_is_refused_on_both_with_one_message(ranks):
     assert [rank["verify"] for rank in ranks] == [message, message]
     assert [rank["fallback"] for rank in ranks] == [(2, [message]), (2, [message])]  # the same step everywhere
     assert "__1_0.distcp" not in ranks[0]["hashed after"]  # rank 0 never read it, yet refuses it
+
+
+def test_a_file_one_rank_cannot_read_is_refused_on_both_instead_of_leaving_the_other_waiting(ranks):
+    bad = checkpoint.step_dir(ranks[0]["root"], 2) / "__3_0.distcp"
+    message = f"{bad} is unreadable ([Errno 13] Permission denied: '{bad}')"
+    assert [rank["unreadable"] for rank in ranks] == [message, message]
 
 
 def test_one_process_hashes_every_file_once(tmp_path, monkeypatch):

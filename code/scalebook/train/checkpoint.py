@@ -134,17 +134,22 @@ def _sha256(path: Path) -> str:
 
 
 def _file_problem(path: Path, manifest: dict) -> str | None:
-    """What is wrong with ``path`` against ``manifest`` (missing, its size, then its SHA-256), or None."""
+    """What is wrong with ``path`` against ``manifest`` (missing, its size, then its SHA-256), or None; never
+    raises for the file (an unreadable one is a problem too), so that ranks checking their shares all reach
+    the exchange of :func:`verify`."""
     expected = manifest["files"].get(path.name)
     if expected is None:
         return f"{path} is not in its manifest (its files: {', '.join(manifest['files'])})"
     if not path.exists():
         return f"{path} is missing"
-    if (size := path.stat().st_size) != expected["bytes"]:
-        what = "empty" if not size else "truncated" if size < expected["bytes"] else "too long"
-        return f"{path} is {what}: {size} bytes, {MANIFEST} says {expected['bytes']}"
-    if _sha256(path) != expected["sha256"]:
-        return f"{path} is corrupt: its SHA-256 differs from the one in {MANIFEST}"
+    try:
+        if (size := path.stat().st_size) != expected["bytes"]:
+            what = "empty" if not size else "truncated" if size < expected["bytes"] else "too long"
+            return f"{path} is {what}: {size} bytes, {MANIFEST} says {expected['bytes']}"
+        if _sha256(path) != expected["sha256"]:
+            return f"{path} is corrupt: its SHA-256 differs from the one in {MANIFEST}"
+    except OSError as error:
+        return f"{path} is unreadable ({error})"
     return None
 
 
