@@ -83,9 +83,7 @@ def train_toy(version: str, optimizer: str, *, find_unused: bool = True, steps: 
         for _ in range(steps):
             tokens, targets = torch.randint(0, 32, (2, 4, 8), generator=generator)
             opt.zero_grad(set_to_none=True)
-            wrapped(tokens, targets, rank == 0).backward()
-            if version != "torch":
-                wrapped.sync_gradients()
+            wrapped(tokens, targets, rank == 0).backward()  # torch DDP's loop: averaged when backward returns
             opt.step()
     return {
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
@@ -94,41 +92,42 @@ def train_toy(version: str, optimizer: str, *, find_unused: bool = True, steps: 
     }
 
 
-def misuse_checks() -> dict:
-    """Overlapped DDP used wrongly: a forward before the last backward's sync, and a sync after a backward that
-    ran entirely inside no_sync() (which must average like the bucketed version)."""
+def pipeline_style_checks() -> dict:
+    """A backward run entirely inside no_sync(), then sync_gradients() (what a pipeline schedule does): every
+    version must average then, as version 2 does; and two backward passes outside no_sync() in a row (each
+    averages what .grad holds, as torch DDP does) must not trip over the buckets of the first."""
     rank = dist.get_rank()
     out = {}
     tokens, targets = torch.randint(0, 32, (2, 4, 8), generator=torch.Generator().manual_seed(rank))
     grads = {}
-    for version in ("overlapped", "bucketed"):
+    for version in OURS:
         torch.manual_seed(0)
-        wrapped = OURS[version](Toy(), bucket_cap_mb=TOY_CAP_MB)
+        wrapped = OURS[version](Toy(), **({} if version == "allreduce" else {"bucket_cap_mb": TOY_CAP_MB}))
         with wrapped.no_sync():
             wrapped(tokens, targets, True).backward()
+        local = {p: p.grad.clone() for p in wrapped.params if p.grad is not None}  # `never` has none
         wrapped.sync_gradients()
-        grads[version] = [p.grad.clone() for p in wrapped.params]
-    out["no_sync_then_sync_gap"] = max((a - b).abs().max().item() for a, b in zip(*grads.values(), strict=True))
+        grads[version] = [p.grad.clone() for p in wrapped.params]  # zeros for `never`: every rank sent its slot
+        out["averaged", version] = all(not torch.equal(g, p.grad) for p, g in local.items())
+    out["no_sync_then_sync_gap"] = max(
+        (a - b).abs().max().item() for version in OURS for a, b in zip(grads[version], grads["bucketed"], strict=True)
+    )
     wrapped = OverlappedDDP(Toy(), bucket_cap_mb=TOY_CAP_MB)
     wrapped(tokens, targets, True).backward()
-    try:
-        wrapped(tokens, targets, True)
-        out["forward_before_sync"] = "no error"
-    except RuntimeError as error:
-        out["forward_before_sync"] = str(error)
-    wrapped.sync_gradients()
+    wrapped(tokens, targets, True).backward()
+    out["second_backward"] = [p.grad.clone() for p in wrapped.params if p.grad is not None]
     return out
 
 
 def toy_runs() -> dict:
     """On each of 2 ranks: the toy module under every version and torch DDP with both optimizers, our
-    overlapped version without find_unused_parameters, and the misuse checks."""
+    overlapped version without find_unused_parameters, and the pipeline-style checks."""
     results = {}
     for optimizer in TOY_OPTIMIZERS:
         for version in VERSIONS:
             results[version, optimizer] = train_toy(version, optimizer)
         results["overlapped default", optimizer] = train_toy("overlapped", optimizer, find_unused=False)
-    results["misuse"] = misuse_checks()
+    results["pipeline style"] = pipeline_style_checks()
     return results
 
 
@@ -259,11 +258,14 @@ def test_without_find_unused_parameters_an_unused_layer_gets_a_zero_gradient_eve
         assert max_param_diff(ours, toy_results[rank]["torch", "sgd"]["state"]) == 0.0
 
 
-def test_overlapped_ddp_refuses_a_forward_before_sync_and_syncs_after_no_sync(toy_results):
-    misuse = toy_results[0]["misuse"]
-    assert "call sync_gradients() after the last backward" in misuse["forward_before_sync"]
+def test_sync_gradients_averages_what_backward_passes_under_no_sync_left(toy_results):
+    checks = toy_results[0]["pipeline style"]
     # Nothing was launched during backward; sync_gradients() sends every bucket, in order, like version 2.
-    assert misuse["no_sync_then_sync_gap"] == 0.0
+    assert all(checks["averaged", version] for version in OURS)
+    assert checks["no_sync_then_sync_gap"] == 0.0
+    # Two backward passes outside no_sync(): the replicas still agree, bit for bit.
+    rank0, rank1 = (toy_results[r]["pipeline style"]["second_backward"] for r in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1, strict=True))
 
 
 # ----- The book's GPT: against torch DDP and one process ---------------------------------------------------
@@ -379,18 +381,18 @@ def test_buckets_hold_the_same_parameters_as_torch_ddp(ranks):
     assert [sorted(b) for b in ours] == [sorted(b) for b in theirs]
 
 
-def test_overlapped_ddp_all_reduces_during_backward_and_bucketed_after(ranks):
+def test_every_version_finishes_its_all_reduces_inside_backward(ranks):
+    # Like torch DDP, every version averages by the time backward() returns (the autograd engine's callback
+    # waits for the last all-reduce), so the "sync" left to the loop is empty. Which version starts
+    # communicating before the last gradient is ready is tested on event order in test_ddp_torch_shape.py.
     n, results = ranks
-
-    def first_all_reduce_and_backward_end(spans):
-        launches = [s.start for s in spans if s.kind == "all-reduce"]
-        return min(launches), max(s.end for s in spans if s.kind == "backward")
-
-    launched, backward_end = first_all_reduce_and_backward_end(results[0]["overlapped", "fp32"]["spans"])
-    assert launched < backward_end
-    launched, backward_end = first_all_reduce_and_backward_end(results[0]["bucketed", "fp32"]["spans"])
-    assert launched > backward_end
-    assert all(not math.isnan(s.end) for s in results[0]["overlapped", "fp32"]["spans"])
+    for version in VERSIONS:
+        spans = results[0][version, "fp32"]["spans"]
+        backward = [s for s in spans if s.kind == "backward"]
+        assert len(backward) == 1, version  # one micro-batch per step
+        reduces = [s for s in spans if s.kind == "all-reduce"]
+        assert reduces and all(not math.isnan(s.end) for s in reduces), version
+        assert all(backward[0].start <= s.start and s.end <= backward[0].end for s in reduces), version
 
 
 # ----- Without ranks: bad input and the alpha-beta prediction ------------------------------------------------

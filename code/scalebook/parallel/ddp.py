@@ -8,40 +8,50 @@ of B, and the ranks average their gradients before each optimizer step,
 which is the mean gradient over all B sequences: every replica takes the step one process would take on
 the whole batch, and the replicas stay identical. Three versions, each one change away from the last:
 
-* :class:`AllReduceDDP`: after backward, all-reduce each parameter's gradient on its own. One collective
-  per parameter tensor, many of them tiny, each paying the full start-up latency.
-* :class:`BucketedDDP`: after backward, copy the gradients into flat buckets of about ``bucket_cap_mb``
-  MiB (PyTorch's default is 25), filled in reverse order of definition, and all-reduce each bucket.
-  The same bytes in a handful of calls.
-* :class:`OverlappedDDP`: as soon as the last gradient of a bucket has been accumulated (a
-  ``register_post_accumulate_grad_hook`` tells us), start that bucket's all-reduce asynchronously, so the
-  network works while backward is still computing the gradients of earlier layers.
-  :meth:`~OverlappedDDP.sync_gradients` waits for them before the optimizer step.
+* :class:`AllReduceDDP`: at the end of backward, all-reduce each parameter's gradient on its own. One
+  collective per parameter tensor, many of them tiny, each paying the full start-up latency.
+* :class:`BucketedDDP`: at the end of backward, copy the gradients into flat buckets of about
+  ``bucket_cap_mb`` MiB (PyTorch's default is 25), one set of buckets per (dtype, device), filled in
+  reverse order of definition, and all-reduce each bucket. The same bytes in a handful of calls.
+* :class:`OverlappedDDP`: as soon as the last gradient of a bucket has been accumulated, start that
+  bucket's all-reduce asynchronously, so the network works while backward is still computing the
+  gradients of earlier layers.
 
-Each wraps any ``nn.Module`` the way ``torch.nn.parallel.DistributedDataParallel`` does: it starts every
-replica from rank 0's parameters and buffers (and, with ``forward_sync_buffers``, torch 2.13's name for
-``broadcast_buffers``, re-broadcasts the buffers before each forward), skips frozen parameters, reduces
-a parameter shared by two modules once, and offers ``no_sync()`` for gradient accumulation and
-``register_comm_hook`` for a custom reduction (:func:`fp16_compress_hook` and :func:`bf16_compress_hook`
-halve the bytes by averaging in 16 bits, as torch's hooks of those names do). A parameter that gets no
-gradient on a rank (unused in its forward) contributes zeros, so every rank still issues the same
-collectives in the same order; afterwards its ``.grad`` holds the average over ranks. With
-``find_unused_parameters=True`` one more small all-reduce finds the parameters no rank used, whose
-``.grad`` then stays ``None``, as in torch DDP (an optimizer skips them; a zero gradient would still decay
-them). One training loop drives the three::
+All three average **inside** ``loss.backward()``, as torch DDP and picotron do. A hook on each parameter
+(``register_post_accumulate_grad_hook``) hears when its gradient is ready; the first such hook of a
+backward pass queues a callback with the autograd engine
+(``torch.autograd.Variable._execution_engine.queue_callback``), which the engine runs once, after the
+last gradient of that backward pass and before ``backward()`` returns. The callback launches what is
+left and waits for every all-reduce, so when ``backward()`` returns each replica's ``.grad`` holds the
+mean over ranks, and a loop written for torch DDP runs unchanged::
 
     for i, (x, y) in enumerate(micro_batches):
         with model.no_sync() if i < len(micro_batches) - 1 else nullcontext():
             (model(x, y)[1] / len(micro_batches)).backward()
-    model.sync_gradients()
     optimizer.step()
+
+Each wraps any ``nn.Module`` the way ``torch.nn.parallel.DistributedDataParallel`` does: it starts every
+replica from rank 0's parameters and buffers (and, with ``forward_sync_buffers``, torch 2.13's name for
+``broadcast_buffers``, re-broadcasts the buffers before each forward), skips frozen parameters, reduces
+a parameter shared by two modules once, accepts parameters of several dtypes and devices, and offers
+``no_sync()`` for gradient accumulation and ``register_comm_hook`` for a custom reduction
+(:func:`fp16_compress_hook` and :func:`bf16_compress_hook` halve the bytes by averaging in 16 bits, as
+torch's hooks of those names do). A parameter that gets no gradient on a rank (unused in its forward)
+contributes zeros, so every rank still issues the same collectives in the same order; afterwards its
+``.grad`` holds the average over ranks. With ``find_unused_parameters=True`` one more small all-reduce
+finds the parameters no rank used, whose ``.grad`` then stays ``None``, as in torch DDP (an optimizer
+skips them; a zero gradient would still decay them). ``sync_gradients()``, which older loops call
+before the optimizer step, is still there: it averages what backward passes run entirely under
+``no_sync()`` left behind (a pipeline schedule runs all its micro-batches that way) and otherwise does
+nothing.
 
 Chapter 10's experiments (timelines, step times, traffic) run these classes from
 :mod:`scalebook.experiments.ddp`.
 
 Source: Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training"
 (VLDB), Sec. 3.2 (bucketing, overlap, no_sync); PyTorch documentation, "DistributedDataParallel" and
-"DDP Communication Hooks" (``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``); Tazi et al.
+"DDP Communication Hooks" (``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``); picotron,
+``picotron/data_parallel/data_parallel.py`` (``queue_callback`` from the first gradient hook); Tazi et al.
 2025, "The Ultra-Scale Playbook", data parallelism.
 """
 
@@ -138,7 +148,15 @@ def bf16_compress_hook(process_group, bucket):
 
 
 class DataParallel(nn.Module):
-    """What the three versions share: hold the module, broadcast rank 0's state, ``no_sync()``, reduce."""
+    """What the three versions share: hold the module, broadcast rank 0's state, ``no_sync()``, and average
+    the gradients by the end of each backward pass.
+
+    Assumes one backward pass at a time through the wrapped module, the same on every rank (the same
+    collectives in the same order), and activation checkpointing, if any, without reentrant backward passes
+    (``torch.utils.checkpoint(..., use_reentrant=False)``, as the book's GPT uses): a nested backward pass would
+    run the end-of-backward callback too early. Each version defines ``_average`` (what the callback does) and
+    may define ``_on_gradient`` (what it does with each gradient as soon as it is ready).
+    """
 
     def __init__(
         self,
@@ -165,7 +183,11 @@ class DataParallel(nn.Module):
         self.require_backward_grad_sync = True
         self.sync_buffers_next_forward = True  # torch's require_forward_param_sync
         self.comm_hook: tuple[object, Callable] | None = None
+        self.callback_queued = False  # the end-of-backward callback of the running backward pass is queued
+        self.unaveraged = False  # gradients accumulated under no_sync() that no backward pass has averaged yet
         broadcast_from_rank0([*module.parameters(), *module.buffers()], process_group)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
 
     def forward(self, *args, **kwargs):
         buffers = list(self.module.buffers())
@@ -179,7 +201,8 @@ class DataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward passes inside this block keep their gradients local; they add up in ``.grad``."""
+        """Backward passes inside this block keep their gradients local; they add up in ``.grad``, and the
+        first backward pass outside it averages the sum."""
         previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
@@ -195,7 +218,37 @@ class DataParallel(nn.Module):
         self.comm_hook = (state, hook)
 
     def sync_gradients(self) -> None:
-        """Leave every replica's ``.grad`` holding the mean over ranks. Call it before ``optimizer.step()``."""
+        """Average what no backward pass has averaged: the gradients of backward passes run entirely under
+        ``no_sync()`` (as a pipeline schedule runs its micro-batches). After a backward pass outside
+        ``no_sync()`` there is nothing left to do, so calling it there, or twice, changes nothing. A loop
+        written for torch DDP never needs it."""
+        if self.unaveraged:
+            self._average()
+            self.unaveraged = False
+
+    def _gradient_ready(self, p: nn.Parameter) -> None:
+        """Autograd calls this once ``p.grad`` holds the gradient of the current backward pass (accumulated
+        onto what ``.grad`` held before)."""
+        if not self.require_backward_grad_sync:
+            self.unaveraged = True  # accumulating: the gradient waits in p.grad for a later backward pass
+            return
+        if not self.callback_queued:
+            # The first gradient of this backward pass: have the engine call _end_of_backward once, after the
+            # last gradient of the pass and before backward() returns (the callback belongs to this pass).
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.callback_queued = True
+        self._on_gradient(p)
+
+    def _on_gradient(self, p: nn.Parameter) -> None:
+        """What a version does with a gradient as soon as it is ready (versions 1 and 2: nothing)."""
+
+    def _end_of_backward(self) -> None:
+        self.callback_queued = False
+        self._average()
+        self.unaveraged = False
+
+    def _average(self) -> None:
+        """Leave every replica's ``.grad`` holding the mean over ranks, waiting for every collective."""
         raise NotImplementedError
 
     def _reduce(self, index: int, flat: torch.Tensor, params: list[nn.Parameter]) -> torch.futures.Future:
@@ -233,11 +286,10 @@ def set_grad(p: nn.Parameter, mean: torch.Tensor, unused: set[nn.Parameter]) -> 
 
 
 class AllReduceDDP(DataParallel):
-    """Version 1: after backward, all-reduce every parameter's gradient, one collective each."""
+    """Version 1: at the end of backward, all-reduce every parameter's gradient, one collective each."""
 
-    def sync_gradients(self) -> None:
-        """All-reduce each parameter's gradient, divided by the number of ranks."""
-        # Gradients accumulate locally until this call, so no_sync() has nothing to switch off here.
+    def _average(self) -> None:
+        """All-reduce each parameter's gradient, divided by the number of ranks, one after the other."""
         means = {}
         for index, p in enumerate(reversed(self.params)):  # any order works, if every rank uses the same one
             means[p] = self._reduce(index, self._local_grad(p), [p]).wait()
@@ -249,21 +301,27 @@ class AllReduceDDP(DataParallel):
 def assign_buckets(params: list[nn.Parameter], bucket_cap_bytes: int) -> list[list[nn.Parameter]]:
     """Group parameters into buckets, last-defined first, closing a bucket once it holds ``bucket_cap_bytes``.
 
-    Backward produces gradients roughly in the reverse of the order the layers were defined, so the first
-    bucket is the first to be complete. As in torch DDP, a bucket may pass the cap by its last tensor.
+    One flat buffer holds one dtype on one device, so each (dtype, device) fills buckets of its own, as in
+    torch DDP. Backward produces gradients roughly in the reverse of the order the layers were defined, so
+    buckets are listed by their first parameter in that order: the first bucket is the first to be complete.
+    As in torch DDP, a bucket may pass the cap by its last tensor.
     """
-    buckets, current, size = [], [], 0
-    for p in reversed(params):
-        current.append(p)
-        size += p.numel() * p.element_size()
-        if size >= bucket_cap_bytes:
-            buckets.append(current)
-            current, size = [], 0
-    return buckets + ([current] if current else [])
+    order = list(reversed(params))
+    closed, filling, size = [], {}, {}
+    for p in order:
+        kind = (p.dtype, p.device)
+        filling.setdefault(kind, []).append(p)
+        size[kind] = size.get(kind, 0) + p.numel() * p.element_size()
+        if size[kind] >= bucket_cap_bytes:
+            closed.append(filling.pop(kind))
+            size[kind] = 0
+    position = {p: i for i, p in enumerate(order)}
+    return sorted(closed + list(filling.values()), key=lambda bucket: position[bucket[0]])
 
 
 class Bucket:
-    """The gradients of a few parameters, back to back in one flat buffer that one collective reduces."""
+    """The gradients of a few parameters of one dtype and device, back to back in one flat buffer that one
+    collective reduces."""
 
     def __init__(self, index: int, params: list[nn.Parameter]):
         self.index = index
@@ -274,7 +332,7 @@ class Bucket:
             self.offsets[p] = offset
             offset += p.numel()
         self.ready: set[nn.Parameter] = set()  # gradients of this backward copied in so far (OverlappedDDP)
-        self.future: torch.futures.Future | None = None  # its all-reduce while in flight (OverlappedDDP)
+        self.future: torch.futures.Future | None = None  # its all-reduce while in flight
 
     def slot(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
         """``p``'s slice of ``flat`` (the buffer, or the reduced copy a hook returns), shaped like ``p``."""
@@ -290,7 +348,7 @@ class Bucket:
 
 
 class BucketedDDP(DataParallel):
-    """Version 2: after backward, copy the gradients into buckets and all-reduce bucket by bucket."""
+    """Version 2: at the end of backward, copy the gradients into buckets and all-reduce bucket by bucket."""
 
     def __init__(
         self,
@@ -305,66 +363,10 @@ class BucketedDDP(DataParallel):
             raise ValueError(
                 f"bucket_cap_mb must be a positive number of MiB (torch's default is 25), got {bucket_cap_mb!r}"
             )
-        kinds = {(p.dtype, p.device) for p in module.parameters() if p.requires_grad}
-        if len(kinds) > 1:
-            raise ValueError(
-                f"parameters of several dtypes/devices {sorted(map(str, kinds))} cannot share a "
-                "flat bucket; move the model to one device and dtype first"
-            )
         super().__init__(module, process_group, forward_sync_buffers=forward_sync_buffers,
                          find_unused_parameters=find_unused_parameters)  # fmt: skip
         self.buckets = [Bucket(i, ps) for i, ps in enumerate(assign_buckets(self.params, int(bucket_cap_mb * MIB)))]
-
-    def sync_gradients(self) -> None:
-        """Copy the gradients into the buckets, all-reduce each bucket, copy the means back into ``.grad``."""
-        means = []
-        for bucket in self.buckets:
-            for p in bucket.params:
-                bucket.pack(p, self._local_grad(p))
-            means.append(self._reduce(bucket.index, bucket.buffer, bucket.params).wait())
-        unused = self._unused_everywhere()
-        for bucket, mean in zip(self.buckets, means, strict=True):
-            bucket.unpack(mean, unused)
-
-
-class OverlappedDDP(BucketedDDP):
-    """Version 3: each bucket's all-reduce starts during backward, the moment its last gradient is ready."""
-
-    def __init__(
-        self,
-        module: nn.Module,
-        process_group=None,
-        *,
-        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-        forward_sync_buffers: bool = True,
-        find_unused_parameters: bool = False,
-    ):
-        super().__init__(module, process_group, bucket_cap_mb=bucket_cap_mb, forward_sync_buffers=forward_sync_buffers,
-                         find_unused_parameters=find_unused_parameters)  # fmt: skip
-        self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
         self.next_bucket = 0  # buckets launch in index order on every rank, so the collectives match up
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._gradient_ready)
-
-    def forward(self, *args, **kwargs):
-        if any(bucket.ready for bucket in self.buckets):
-            raise RuntimeError(
-                "the last backward's all-reduces were never waited for: call sync_gradients() after the last "
-                "backward of a step (and wrap the micro-batches before it in no_sync())"
-            )
-        return super().forward(*args, **kwargs)
-
-    def _gradient_ready(self, p: nn.Parameter) -> None:
-        """Autograd calls this once ``p.grad`` holds the gradient of the current backward pass."""
-        if not self.require_backward_grad_sync:
-            return  # accumulating: the gradient waits in p.grad for the last micro-batch
-        bucket = self.bucket_of[p]
-        if bucket.future is not None:
-            raise RuntimeError(f"{self.names[p]} got a second gradient while its bucket was being reduced: call "
-                               "sync_gradients() between backward passes outside no_sync()")  # fmt: skip
-        bucket.pack(p, p.grad)
-        bucket.ready.add(p)
-        self._launch_buckets()
 
     def _launch_buckets(self, *, incomplete_too: bool = False) -> None:
         """Launch the complete buckets in index order, stopping at the first incomplete one (or, with
@@ -383,12 +385,9 @@ class OverlappedDDP(BucketedDDP):
             bucket.future = self._reduce(bucket.index, bucket.buffer, bucket.params)
             self.next_bucket += 1
 
-    def sync_gradients(self) -> None:
-        """Wait for the all-reduces that backward started, then copy the means back into ``.grad``.
-
-        Buckets that backward did not complete (a parameter unused in this forward, or a backward run
-        entirely inside ``no_sync()``) are launched here, in the same order as on every other rank.
-        """
+    def _average(self) -> None:
+        """Launch every bucket not launched yet (version 2: all of them, packed from ``.grad`` now), wait for
+        each all-reduce, and copy the means back into ``.grad``."""
         self._launch_buckets(incomplete_too=True)
         means = [bucket.future.wait() for bucket in self.buckets]
         unused = self._unused_everywhere()
@@ -396,3 +395,28 @@ class OverlappedDDP(BucketedDDP):
             bucket.unpack(mean, unused)
             bucket.ready, bucket.future = set(), None
         self.next_bucket = 0
+
+
+class OverlappedDDP(BucketedDDP):
+    """Version 3: each bucket's all-reduce starts during backward, the moment its last gradient is ready;
+    the end of backward only launches the buckets that never completed and waits."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group=None,
+        *,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        forward_sync_buffers: bool = True,
+        find_unused_parameters: bool = False,
+    ):
+        super().__init__(module, process_group, bucket_cap_mb=bucket_cap_mb, forward_sync_buffers=forward_sync_buffers,
+                         find_unused_parameters=find_unused_parameters)  # fmt: skip
+        self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
+
+    def _on_gradient(self, p: nn.Parameter) -> None:
+        """Copy ``p.grad`` into its bucket and launch every bucket that is now complete, in index order."""
+        bucket = self.bucket_of[p]
+        bucket.pack(p, p.grad)
+        bucket.ready.add(p)
+        self._launch_buckets()
