@@ -29,16 +29,25 @@ def test_across_nodes_hsdp_sends_two_thirds_of_full_shardings_bytes_on_many_node
 def test_comm_time_is_alpha_beta_per_collective_on_the_right_links():
     links = dict(intra_alpha=1e-6, intra_bandwidth=400.0, inter_alpha=1e-5, inter_bandwidth=10.0)
     # 2 units of 50 parameters, 2 bytes each: 100-byte messages. Full sharding on 2 nodes of 4: rings over 8 at
-    # the network's alpha and min(400, 4 x 10) = 40 B/s.
-    ring = 2 * (2 * alpha_beta_time("all_gather", 100, 8, alpha=1e-5, bandwidth=40.0)
-                + alpha_beta_time("reduce_scatter", 100, 8, alpha=1e-5, bandwidth=40.0))  # fmt: skip
-    assert zero3_comm_time(100, 2, 4, hybrid=False, units=2, **links) == pytest.approx(ring)
+    # min(400, 4 x 10) = 40 B/s, each rank sending 7/8 of 100 bytes; of a ring's 7 hops one crosses the network
+    # (alpha 1e-5) and 6 stay in a node (1e-6): 1.6e-5 s of latency per collective, 3 collectives per unit.
+    per_collective = 6 * 1e-6 + 1 * 1e-5 + 7 / 8 * 100 / 40.0
+    assert zero3_comm_time(100, 2, 4, hybrid=False, units=2, **links) == pytest.approx(2 * 3 * per_collective)
     # HSDP: rings over the node's 4 at NVLink's alpha and bandwidth, then an all-reduce of the 25-byte shard
     # over the 2 nodes at one NIC's.
     inside = 2 * alpha_beta_time("all_gather", 100, 4, alpha=1e-6, bandwidth=400.0) + alpha_beta_time(
         "reduce_scatter", 100, 4, alpha=1e-6, bandwidth=400.0)  # fmt: skip
     across = alpha_beta_time("all_reduce", 25, 2, alpha=1e-5, bandwidth=10.0)
     assert zero3_comm_time(100, 2, 4, hybrid=True, units=2, **links) == pytest.approx(2 * (inside + across))
+
+
+def test_a_full_sharding_ring_pays_the_network_latency_once_per_node_not_once_per_hop():
+    """128 nodes of 8: the ring's 1,023 hops, 127 across the network. With a zero-byte message the time is the
+    latency alone: 896 NVLink hops and 127 network hops per collective (issue 33: charging the network's alpha
+    at every hop doubled Chapter 11's 1,024-GPU figure)."""
+    links = dict(intra_alpha=3e-6, intra_bandwidth=1e12, inter_alpha=1e-5, inter_bandwidth=1e12)
+    tiny = zero3_comm_time(1e-9, 128, 8, hybrid=False, units=1, **links)
+    assert tiny == pytest.approx(3 * (896 * 3e-6 + 127 * 1e-5), rel=1e-6)
 
 
 def test_without_prefetch_every_gather_is_exposed_and_with_it_only_what_outlasts_the_previous_compute():
@@ -63,3 +72,14 @@ def test_bad_inputs_raise_one_clear_value_error():
         zero3_bytes_per_node(100, 0, 8)
     with pytest.raises(ValueError, match="hybrid must be one of"):
         zero3_bytes_per_node(100, 2, 8, hybrid="yes")
+
+
+def test_ring_latency_charges_the_network_only_where_the_ring_leaves_a_node():
+    from scalebook.accounting import ring_latency
+
+    # 16 ranks on 2 nodes of 8: an all-reduce's 30 steps, 2 of them between the nodes; an all-gather's 15, 1.
+    assert ring_latency("all_reduce", 16, per_node=8, intra_alpha=1.0, inter_alpha=10.0) == 28 + 2 * 10
+    assert ring_latency("all_gather", 16, per_node=8, intra_alpha=1.0, inter_alpha=10.0) == 14 + 10
+    assert ring_latency("all_reduce", 8, per_node=8, intra_alpha=1.0, inter_alpha=10.0) == 14  # one node
+    with pytest.raises(ValueError, match="inter_alpha must be a number >= 0"):
+        ring_latency("all_reduce", 16, per_node=8, intra_alpha=1.0, inter_alpha=-1.0)

@@ -11,7 +11,7 @@ chapters check these numbers against.
     flops    flops_per_token, training_flops (6 N D), training_flops_with_attention (Narayanan et al.),
              attention_flop_share (full and causal), mtp_flops_per_token (DeepSeek-V3's multi-token prediction)
     time     mfu, training_days, devices_needed
-    comm     bytes_sent_per_rank, alpha_beta_time, data_parallel_bytes_per_step,
+    comm     bytes_sent_per_rank, alpha_beta_time, ring_latency, data_parallel_bytes_per_step,
              tensor_parallel_bytes_per_layer, parameter_server_bytes_per_step, parameter_server_time,
              algbw, busbw, busbw_factor, seconds_at_busbw (nccl-tests' bandwidths)
     pipeline bubble_fraction, peak_in_flight, p2p_bytes_per_step, balanced_partition, stage_memory
@@ -34,6 +34,7 @@ from scalebook.accounting.comm import (
     data_parallel_bytes_per_step,
     parameter_server_bytes_per_step,
     parameter_server_time,
+    ring_latency,
     seconds_at_busbw,
     tensor_parallel_bytes_per_layer,
 )
@@ -114,4 +115,5 @@ __all__ = [
     "training_flops_with_attention",
     "ulysses_bytes_per_rank",
     "ulysses_problems",
+    "ring_latency",
 ]

@@ -28,6 +28,15 @@ def positive(**values) -> list[str]:
     ]
 
 
+def nonnegative(**values) -> list[str]:
+    """Real numbers >= 0 (latencies)."""
+    return [
+        f"{name} must be a number >= 0, got {value!r}"
+        for name, value in values.items()
+        if isinstance(value, bool) or not isinstance(value, Real) or value < 0
+    ]
+
+
 def positive_int(**values) -> list[str]:
     """Integers >= 1 (device counts, parallel degrees, sequence lengths)."""
     return [

@@ -115,6 +115,20 @@ def alpha_beta_time(
     return steps * (alpha + message_bytes / (n * bandwidth))
 
 
+def ring_latency(op: str, n: int, *, per_node: int, intra_alpha: float, inter_alpha: float) -> float:
+    """Seconds of latency of a ring ``op`` over ``n`` ranks placed ``per_node`` to a node, consecutively.
+
+    A ring over r = ceil(n / per_node) nodes has ``steps`` = 2 (n - 1) (all-reduce) or n - 1 steps, of which
+    only 2 (r - 1) or r - 1 cross the network: a chunk pays ``inter_alpha`` at those and ``intra_alpha`` at
+    the others, as NCCL's tuning model counts a ring's latency. With one node every step is inside it."""
+    _checks.require(_collective_args(op, 0, n, "ring"), _checks.positive_int(per_node=per_node),
+                    _checks.nonnegative(intra_alpha=intra_alpha, inter_alpha=inter_alpha))  # fmt: skip
+    nodes = math.ceil(n / per_node)
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+    network = 2 * (nodes - 1) if op == "all_reduce" else nodes - 1
+    return (steps - network) * intra_alpha + network * inter_alpha
+
+
 def parameter_server_bytes_per_step(message_bytes: float, n: int) -> dict[str, float]:
     """Bytes the server and each worker send and receive in one synchronous parameter-server step on ``n``
     ranks, the server being one of them (it computes a gradient too), for an ``M``-byte gradient:

@@ -17,7 +17,9 @@ in the node, and each rank then all-reduces its G/s shard of the gradients with 
 **Time** (:func:`zero3_comm_time`), alpha-beta per collective (``accounting.comm.alpha_beta_time``), the model in
 ``units`` equal units (one collective of each kind per unit): HSDP's collectives in the node run at the
 NVLink's alpha and bandwidth, its all-reduce at the network's, each GPU on its own NIC. A full-sharding ring
-that leaves the node pays the network's alpha at every step; NCCL spreads it over one channel per NIC, so a
+through ``r`` nodes has ``d - 1`` hops per pass, of which only ``r - 1`` cross the network: a chunk pays the
+network's alpha at those and NVLink's at the others, as NCCL's tuning model counts a ring's latency
+(``(steps - net steps) x intra + net steps x inter``). NCCL spreads the ring over one channel per NIC, so a
 node moves ``s x`` the NIC bandwidth, capped by the NVLink every byte also crosses: ``min(B_nvlink, s B_nic)``.
 
 **Overlap** (:func:`exposed_communication`): one stream computes the units in order, one communication stream
@@ -37,7 +39,7 @@ from collections.abc import Sequence
 from numbers import Real
 
 from scalebook.accounting import _checks
-from scalebook.accounting.comm import alpha_beta_time
+from scalebook.accounting.comm import alpha_beta_time, ring_latency
 from scalebook.accounting.params import params_of
 from scalebook.configs import ModelConfig
 
@@ -86,10 +88,11 @@ def zero3_comm_time(
         if hybrid and r > 1:
             per_unit += alpha_beta_time("all_reduce", unit_grads / s, r, alpha=inter_alpha, bandwidth=inter_bandwidth)
         return units * per_unit
-    ring = dict(alpha=inter_alpha, bandwidth=min(intra_bandwidth, s * inter_bandwidth))
-    d = r * s
-    return units * (2 * alpha_beta_time("all_gather", unit_params, d, **ring)
-                    + alpha_beta_time("reduce_scatter", unit_grads, d, **ring))  # fmt: skip
+    d, bandwidth = r * s, min(intra_bandwidth, s * inter_bandwidth)
+    # An all-gather or reduce-scatter ring: d - 1 steps, r - 1 of them across the network, the rest on NVLink.
+    latency = ring_latency("all_gather", d, per_node=s, intra_alpha=intra_alpha, inter_alpha=inter_alpha)
+    return units * (2 * (latency + alpha_beta_time("all_gather", unit_params, d, alpha=0.0, bandwidth=bandwidth))
+                    + latency + alpha_beta_time("reduce_scatter", unit_grads, d, alpha=0.0, bandwidth=bandwidth))
 
 
 def exposed_communication(

@@ -13,8 +13,12 @@ rank's link moves data when the algorithm's ``2 (n - 1) / n`` factor is accounte
 
 For real hardware the bandwidth comes from the link's datasheet (``scalebook.configs.get_link``, per
 direction) and the latency per step from NCCL's own performance model, which charges each ring step a
-hardware latency of 3.4 us over NVLink, 5.7 us over PCIe and 9.6 us over the network (its ``Simple``
-protocol, used for large messages).
+hardware latency of 3.4 us over NVLink, 5.7 us over PCIe and 14.0 us over the network (``hwLat``, its
+``Simple`` protocol, used for large messages, in the releases ``scalebook.system.hardware.NCCL_VERSION``
+names; releases before them charged 9.6 us over the network). The same constants drive the system model of
+a training step (:mod:`scalebook.system.hardware`), which also adds NCCL's base latency per collective and
+charges the network's latency only at the ring steps that leave a node; the alpha-beta model here, one link
+kind per ring, leaves both out.
 
 Source: Hockney 1994, "The communication challenge for MPP: Intel Paragon and Meiko CS-2" (alpha-beta);
 Thakur, Rabenseifner and Gropp 2005, "Optimization of Collective Communication Operations in MPICH";
@@ -36,9 +40,11 @@ import torch.distributed as dist
 from scalebook.accounting.comm import alpha_beta_time
 from scalebook.comm.collectives import ALL_REDUCES, library_all_reduce
 from scalebook.configs import get_link
+from scalebook.system.hardware import NCCL_NETWORK_LATENCY, NCCL_NVLINK_LATENCY
 
-# Seconds per ring step, NCCL's hwLat[...][Ring][Simple]; network covers InfiniBand and RoCE.
-NCCL_STEP_LATENCY = {"nvlink": 3.4e-6, "pcie": 5.7e-6, "network": 9.6e-6}
+# Seconds per ring step, NCCL's hwLat[...][Ring][Simple] (the system model's constants, one version of NCCL);
+# network covers InfiniBand and RoCE.
+NCCL_STEP_LATENCY = {"nvlink": NCCL_NVLINK_LATENCY, "pcie": 5.7e-6, "network": NCCL_NETWORK_LATENCY}
 _LINK_KIND = {"nvlink": "nvlink", "pcie": "pcie", "infiniband": "network", "roce": "network"}
 
 

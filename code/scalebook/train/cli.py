@@ -31,12 +31,11 @@ the run saves every ``--checkpoint-every`` steps (atomically, with a manifest of
 the newest intact checkpoint, bit-identically on CPU in the layout that wrote it, and in any other layout or
 number of ranks (the checkpoint is resharded) to float32 rounding.
 
-Failing loudly. :mod:`scalebook.train.preflight` checks the arguments, the layout, the paths, the data, the
-memory and a resume's checkpoint on every rank before any starts work; an error is printed once, by rank 0,
-and every rank exits with code 2. A step whose loss or gradient norm is not finite never updates the
-weights, and stops the run (exit code 1, naming the last good checkpoint) unless ``--skip-nonfinite``
-allows skipping it; a checkpoint is saved only of finite weights, so ``latest`` never points at a
-diverged model.
+Failing loudly. :mod:`scalebook.train.preflight` checks the arguments, layout, paths, data, memory and a
+resume's checkpoint (whose files the ranks of a launch read together, each once) on every rank before any
+trains; an error is printed once, by rank 0, and every rank exits with code 2. A step whose loss or gradient
+norm is not finite never updates the weights, and stops the run (exit code 1, naming the last good
+checkpoint) unless ``--skip-nonfinite`` allows it; only finite weights are saved.
 
 Source: PyTorch documentation, "torchrun (Elastic Launch)", "DistributedDataParallel" and
 "torch.distributed.fsdp.fully_shard"; SLURM documentation, "srun"; torchtitan ``train.py``;
@@ -60,7 +59,7 @@ import torch.distributed as dist
 
 from scalebook.train import checkpoint
 from scalebook.train.checkpoint import RunCheckpoints
-from scalebook.train.preflight import STRATEGIES, Plan, layout, model_config, preflight
+from scalebook.train.preflight import STRATEGIES, Plan, layout, model_config, preflight, verify_resume
 
 __all__ = ["LocalRun", "TrainingDiverged", "build_parser", "layout", "main", "run", "run_local"]
 
@@ -323,7 +322,7 @@ def run(args: argparse.Namespace, plan: Plan | None = None) -> list:
     from scalebook.train.loop import TrainConfig, weight_decay_groups
 
     env = detect_env()
-    plan = plan or preflight(args, env.world_size)
+    plan = plan or preflight(args, env.world_size, verify_checkpoint=env.world_size == 1)
     for note in plan.notes if env.rank == 0 else ():
         print(note, file=sys.stderr, flush=True)
     if plan.start == args.steps:
@@ -336,6 +335,8 @@ def run(args: argparse.Namespace, plan: Plan | None = None) -> list:
     owns_group = (env.world_size > 1 or dims.data_parallel is not None) and not dist.is_initialized()
     if owns_group:
         init_from_env()
+    if args.resume and env.world_size > 1:  # the ranks read the checkpoint's files together, each file once
+        verify_resume(args, plan, dist.group.WORLD)
     _, device = backend_and_device(env.local_rank)
     torch.manual_seed(args.seed)
     cfg = TrainConfig(steps=args.steps, batch_size=args.micro_batch, grad_accum=dims.micro_batches,
@@ -484,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_only is not None and args.check_only < 1:
         parser.error(f"--check-only takes the number of ranks to check for, at least 1 (got {args.check_only})")
     try:
-        plan = preflight(args, env.world_size if args.check_only is None else args.check_only)
+        plan = preflight(args, env.world_size if args.check_only is None else args.check_only,
+                         verify_checkpoint=args.check_only is not None or env.world_size == 1)  # fmt: skip
     except ValueError as error:
         parser.error(str(error))
     if args.check_only is not None:

@@ -32,6 +32,7 @@ import argparse
 import errno
 import math
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -266,14 +267,19 @@ def memory_problems(args: argparse.Namespace, dims) -> list[str]:
             "--skip-memory-check to try anyway"]  # fmt: skip
 
 
-def resume_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
+def resume_problems(args: argparse.Namespace, plan: Plan, *, verify: bool = True, split_over=None) -> list[str]:
     """``--resume``: set ``plan.start`` to the newest intact checkpoint's step (noting the ones passed over) and
-    return what stops this run from continuing it."""
+    return what stops this run from continuing it. ``verify=False`` takes ``latest`` without reading its files
+    (the ranks of a launch then verify it together, :func:`verify_resume`); ``split_over`` shares the reading
+    among a process group's ranks, each file read once (:func:`scalebook.train.checkpoint.verify`)."""
     from scalebook import data
     from scalebook.train import checkpoint
 
     root = args.checkpoint_dir
-    step, passed_over = checkpoint.newest_intact(root)
+    if verify:
+        step, passed_over = checkpoint.newest_intact(root, split_over=split_over)
+    else:
+        step, passed_over = checkpoint.latest_step(root), []
     if step is None:
         return [f"--resume: no intact checkpoint under {root}: {'; '.join(passed_over)}; delete the folder or "
                 "drop --resume to start from step 0"] if passed_over else []  # fmt: skip
@@ -302,9 +308,26 @@ def resume_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
     return problems
 
 
-def preflight(args: argparse.Namespace, world_size: int) -> Plan:
+def verify_resume(args: argparse.Namespace, plan: Plan, group) -> None:
+    """On the ranks of a launch, after the process group exists: the ranks of ``group`` read the checkpoint's
+    files together, each file once in all, and agree on the newest intact step (an older one, with a note, if
+    the newest is damaged), as the launcher's pre-flight would have. Raises the pre-flight's ValueError on every
+    rank if that step cannot be continued."""
+    import torch.distributed as dist
+
+    chosen, notes = plan.start, len(plan.notes)
+    problems = resume_problems(args, plan, split_over=group)
+    if problems:
+        raise ValueError("invalid arguments:\n  " + "\n  ".join(problems))
+    if plan.start != chosen and dist.get_rank(group) == 0:
+        for note in plan.notes[notes:]:
+            print(note, file=sys.stderr, flush=True)
+
+
+def preflight(args: argparse.Namespace, world_size: int, *, verify_checkpoint: bool = True) -> Plan:
     """Every check before any rank starts work (see the module docstring): the :class:`Plan`, or one ValueError
-    listing every problem."""
+    listing every problem. ``verify_checkpoint=False`` (each rank of a launch): ``--resume`` takes the checkpoint
+    ``latest`` names without reading its files, which :func:`verify_resume` then does once across the ranks."""
     from scalebook import data
 
     problems = []
@@ -322,7 +345,7 @@ def preflight(args: argparse.Namespace, world_size: int) -> Plan:
     problems += memory_problems(args, dims)
     plan = Plan(dims)
     if args.resume and not problems:
-        problems += resume_problems(args, plan)
+        problems += resume_problems(args, plan, verify=verify_checkpoint)
     if problems:
         raise ValueError("invalid arguments:\n  " + "\n  ".join(problems))
     return plan
