@@ -45,7 +45,6 @@ from scalebook.parallel.ddp import (
     MIB,
     AllReduceDDP,
     BucketedDDP,
-    DataParallel,
     OverlappedDDP,
     compress_hook,
 )
@@ -65,7 +64,7 @@ class Span:
     On Linux that clock is the system-wide monotonic clock, so spans of ranks on one machine share an axis.
     """
 
-    kind: str  # "forward", "backward", "sync", "optimizer" or "all-reduce"
+    kind: str  # "forward", "backward" (to its last gradient), "sync" (the wait that ends it), "optimizer", "all-reduce"
     start: float
     end: float = math.nan  # an asynchronous all-reduce fills it in when it completes
     detail: str = ""
@@ -188,9 +187,19 @@ class DataParallelRun:
             self.probe = CommProbe({id(p): n for n, p in self.model.named_parameters()}, self.spans,
                                    all_reduce=from_scratch)  # fmt: skip
             self.wrapped.register_comm_hook(self.probe, probed_allreduce_hook)
+        # The moment the last gradient of a backward pass is ready: what follows inside backward() is the wait
+        # for the all-reduces (ours and torch DDP's alike average before backward() returns).
+        self.last_gradient = math.nan
+        if self.probe is not None:
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._gradient_ready)
         self.optimizer = make_optimizer(self.model, train_config)
         # The same seed on every rank: all draw the same global batch and keep their own rows of it.
         self.generator = torch.Generator().manual_seed(train_config.seed)
+
+    def _gradient_ready(self, p) -> None:
+        self.last_gradient = time.perf_counter()
 
     @contextlib.contextmanager
     def _timed(self, kind: str):
@@ -221,10 +230,11 @@ class DataParallelRun:
                     _, loss = self.wrapped(xb, yb)
                 with self._timed("backward"):
                     (loss / cfg.grad_accum).backward()
+                backward = self.spans[-1]
+                if backward.start < self.last_gradient < backward.end:  # split off the wait at its end
+                    self.spans.append(Span("sync", self.last_gradient, backward.end))
+                    backward.end = self.last_gradient
             loss_sum += loss.item()
-        if isinstance(self.wrapped, DataParallel):
-            with self._timed("sync"):
-                self.wrapped.sync_gradients()
         if self.record_grads:  # the averaged gradient, before clipping and the optimizer change anything
             self.grads = {name: p.grad.detach().clone() for name, p in self.model.named_parameters()}
         with self._timed("optimizer"):

@@ -93,7 +93,8 @@ def slow_rank_lab(
             for _ in range(steps):
                 x, y = get_batch(corpus_tokens(), micro_batch, seq_len, generator, rank=rank, world_size=world)
                 start = time.perf_counter()
-                model(x, y)[1].backward()
+                with model.no_sync():  # keep the all-reduce out of backward, to time it on its own
+                    model(x, y)[1].backward()
                 if variant.startswith("broken") and rank == slow_rank:
                     time.sleep(delay)  # THE BUG: this rank's work takes longer than its peers'
                 computed = time.perf_counter()

@@ -100,7 +100,8 @@ def step_timeline(
     ax.set_xlabel(f"time since the step started ({unit_label})")
     ax.grid(axis="y", visible=False)
     ax.set_title(title, fontsize=10)
-    handles = [Patch(color=c, label="sync_gradients()" if k == "sync" else k) for k, c in colors.items()]
+    names = {"sync": "end of backward: waiting for the all-reduces"}
+    handles = [Patch(color=c, label=names.get(k, k)) for k, c in colors.items()]
     handles.append(Patch(color=comm_colors[0], label="all-reduce (launch to completion)"))
     fig.legend(handles=handles, loc="lower center", ncol=5, frameon=False, fontsize=8)
     fig.tight_layout(rect=(0, 0.45 / height, 1, 1))
