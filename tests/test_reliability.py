@@ -93,29 +93,30 @@ def test_resume_passes_over_a_corrupt_checkpoint_saying_so_and_repeats_the_steps
 
 
 def _verify_resume_on_each_rank(ckpt: str) -> dict:
-    """Worker: this rank's pre-flight as a rank of a launch runs it, then verify_resume; the files each hashed."""
+    """Worker: this rank's pre-flight as a rank of a launch runs it, then settle_resume; the files each hashed."""
     import torch.distributed as dist
 
-    from scalebook.train.preflight import verify_resume
+    from scalebook.train.preflight import settle_resume
 
     hashed, sha256 = [], checkpoint._sha256
     checkpoint._sha256 = lambda path: hashed.append(path.name) or sha256(path)  # this rank's process only
     args = args_of(SMALL, checkpoint_dir=ckpt, resume=True, strategy="ddp")
     plan = preflight(args, 2, verify_checkpoint=False)
     before = (plan.start, list(hashed))
-    verify_resume(args, plan, dist.group.WORLD)
-    return {"before": before, "start": plan.start, "hashed": hashed, "notes": plan.notes}
+    to_train = settle_resume(args, plan, rank=dist.get_rank(), group=dist.group.WORLD)
+    return {"before": before, "start": plan.start, "hashed": hashed, "notes": plan.notes, "to_train": to_train}
 
 
 def test_the_ranks_of_a_launch_read_the_checkpoint_files_once_in_all_and_fall_back_together(saved, tmp_path):
-    """A rank's pre-flight takes ``latest`` without reading a file; verify_resume then splits the reading over
+    """A rank's pre-flight takes ``latest`` without reading a file; settle_resume then splits the reading over
     the ranks (each file of step 4, then of step 2, once in all) and both fall back from the damaged step 4
-    with the same note (issue 34)."""
+    with the same note, with steps 3 and 4 still to train although ``latest`` was at --steps (issue 34)."""
     ckpt = copy_of(saved, tmp_path)
     flip_4_kib(checkpoint.step_dir(ckpt, 4) / "__0_0.distcp")
     ranks = launch(_verify_resume_on_each_rank, 2, ckpt, timeout=120)
     assert all(rank["before"] == (4, []) for rank in ranks)  # nothing read before the group exists
     assert {rank["start"] for rank in ranks} == {2} and ranks[0]["notes"] == ranks[1]["notes"] != []
+    assert all(rank["to_train"] for rank in ranks)
     files = [*checkpoint.read_manifest(ckpt, 4)["files"], *checkpoint.read_manifest(ckpt, 2)["files"]]
     hashed = [name for rank in ranks for name in rank["hashed"]]
     assert sorted(hashed) == sorted(files)  # each file of both steps once: none twice, none left out

@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from scalebook.train import checkpoint
 from scalebook.train.checkpoint import RunCheckpoints
-from scalebook.train.preflight import STRATEGIES, Plan, layout, model_config, preflight, verify_resume
+from scalebook.train.preflight import STRATEGIES, Plan, layout, model_config, preflight, settle_resume
 
 __all__ = ["LocalRun", "TrainingDiverged", "build_parser", "layout", "main", "run", "run_local"]
 
@@ -323,20 +323,15 @@ def run(args: argparse.Namespace, plan: Plan | None = None) -> list:
 
     env = detect_env()
     plan = plan or preflight(args, env.world_size, verify_checkpoint=env.world_size == 1)
-    for note in plan.notes if env.rank == 0 else ():
-        print(note, file=sys.stderr, flush=True)
-    if plan.start == args.steps:
-        if env.rank == 0:
-            print(f"nothing to do: the checkpoint in {args.checkpoint_dir} is at step {plan.start} = --steps; "
-                  "pass a larger --steps to train further", file=sys.stderr, flush=True)  # fmt: skip
-        return []
     dims = plan.dims
     # A data-parallel wrapper needs a process group, even of one rank (--strategy fsdp on one process).
     owns_group = (env.world_size > 1 or dims.data_parallel is not None) and not dist.is_initialized()
     if owns_group:
         init_from_env()
-    if args.resume and env.world_size > 1:  # the ranks read the checkpoint's files together, each file once
-        verify_resume(args, plan, dist.group.WORLD)
+    if not settle_resume(args, plan, rank=env.rank, group=dist.group.WORLD if env.world_size > 1 else None):
+        if owns_group:
+            dist.destroy_process_group()
+        return []
     _, device = backend_and_device(env.local_rank)
     torch.manual_seed(args.seed)
     cfg = TrainConfig(steps=args.steps, batch_size=args.micro_batch, grad_accum=dims.micro_batches,
@@ -493,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         run(args, plan)
+    except ValueError as error:  # the ranks' shared reading of a resume's checkpoint (settle_resume) refused it
+        parser.error(str(error))
     except TrainingDiverged as error:
         if env.rank == 0:
             print(f"{parser.prog}: {error}", file=sys.stderr, flush=True)

@@ -270,7 +270,7 @@ def memory_problems(args: argparse.Namespace, dims) -> list[str]:
 def resume_problems(args: argparse.Namespace, plan: Plan, *, verify: bool = True, split_over=None) -> list[str]:
     """``--resume``: set ``plan.start`` to the newest intact checkpoint's step (noting the ones passed over) and
     return what stops this run from continuing it. ``verify=False`` takes ``latest`` without reading its files
-    (the ranks of a launch then verify it together, :func:`verify_resume`); ``split_over`` shares the reading
+    (the ranks of a launch then verify it together, :func:`settle_resume`); ``split_over`` shares the reading
     among a process group's ranks, each file read once (:func:`scalebook.train.checkpoint.verify`)."""
     from scalebook import data
     from scalebook.train import checkpoint
@@ -308,26 +308,28 @@ def resume_problems(args: argparse.Namespace, plan: Plan, *, verify: bool = True
     return problems
 
 
-def verify_resume(args: argparse.Namespace, plan: Plan, group) -> None:
-    """On the ranks of a launch, after the process group exists: the ranks of ``group`` read the checkpoint's
-    files together, each file once in all, and agree on the newest intact step (an older one, with a note, if
-    the newest is damaged), as the launcher's pre-flight would have. Raises the pre-flight's ValueError on every
-    rank if that step cannot be continued."""
-    import torch.distributed as dist
-
-    chosen, notes = plan.start, len(plan.notes)
-    problems = resume_problems(args, plan, split_over=group)
-    if problems:
-        raise ValueError("invalid arguments:\n  " + "\n  ".join(problems))
-    if plan.start != chosen and dist.get_rank(group) == 0:
-        for note in plan.notes[notes:]:
-            print(note, file=sys.stderr, flush=True)
+def settle_resume(args: argparse.Namespace, plan: Plan, *, rank: int, group=None) -> bool:
+    """After the process group exists, before training: with ``--resume`` on the ranks of a launch (``group``),
+    the ranks read the checkpoint's files together, each file once in all, and agree on the newest intact step
+    (an older one, with a note, if the newest is damaged), as the launcher's pre-flight would have; a ValueError
+    on every rank if that step cannot be continued. Then rank 0 prints the plan's notes. Returns whether there
+    is anything to train (not when the checkpoint is already at ``--steps``, which rank 0 says)."""
+    if args.resume and group is not None:
+        problems = resume_problems(args, plan, split_over=group)
+        if problems:
+            raise ValueError("invalid arguments:\n  " + "\n  ".join(problems))
+    for note in plan.notes if rank == 0 else ():
+        print(note, file=sys.stderr, flush=True)
+    if plan.start == args.steps and rank == 0:
+        print(f"nothing to do: the checkpoint in {args.checkpoint_dir} is at step {plan.start} = --steps; "
+              "pass a larger --steps to train further", file=sys.stderr, flush=True)  # fmt: skip
+    return plan.start != args.steps
 
 
 def preflight(args: argparse.Namespace, world_size: int, *, verify_checkpoint: bool = True) -> Plan:
     """Every check before any rank starts work (see the module docstring): the :class:`Plan`, or one ValueError
     listing every problem. ``verify_checkpoint=False`` (each rank of a launch): ``--resume`` takes the checkpoint
-    ``latest`` names without reading its files, which :func:`verify_resume` then does once across the ranks."""
+    ``latest`` names without reading its files, which :func:`settle_resume` then does once across the ranks."""
     from scalebook import data
 
     problems = []
