@@ -88,3 +88,18 @@ def test_the_panel_has_an_attention_control():
     controls["attention"].value = "fused"
     assert result.value == widgets.memory_estimate_html(
         widgets.memory_per_gpu("llama-3-8b", seq_len=8192, attention="fused"))
+
+
+@pytest.mark.parametrize(("model", "trained_with"), [("llama-3-70b", "fused"), ("gpt3-175b", "explicit")])
+def test_the_default_attention_is_what_the_model_was_trained_with(model, trained_with):
+    """Llama-layout models train with fused kernels, which keep no s x s scores; GPT-3 and Megatron-LM's GPTs
+    with explicit attention. At Llama 3 70B, t = 8, p = 8, s = 8,192, explicit attention keeps per layer the
+    2 a s^2 b / t bytes of scores and K, V repeated to all 64 heads (2 s b (h - d_kv) 16-bit numbers / t more):
+    80 x (2 x 64 x 8192^2 + 4 x 8192 x (8192 - 1024)) / 8 = 88 GB more than fused attention (issue 33)."""
+    layout = dict(seq_len=8192, tp=8, pp=8) if model.startswith("llama") else dict(seq_len=2048)
+    default = widgets.memory_per_gpu(model, **layout)
+    assert default.rows == widgets.memory_per_gpu(model, attention=trained_with, **layout).rows
+    if model == "llama-3-70b":
+        explicit = dict(widgets.memory_per_gpu(model, attention="explicit", **layout).rows)["activations"]
+        assert explicit - dict(default.rows)["activations"] == 80 * (2 * 64 * 8192**2 + 4 * 8192 * (8192 - 1024)) // 8
+    assert widgets.memory_calculator_inputs().defaults["attention"] == "auto"

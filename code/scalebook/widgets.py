@@ -193,20 +193,24 @@ def memory_per_gpu(
     pp: int = 1,
     sp: bool = False,
     recompute: str = "none",
-    attention: str = "explicit",
+    attention: str = "auto",
     gpu: str = "h100-sxm",
 ) -> MemoryEstimate:
     """Model states plus activations on one GPU: ``accounting.model_state_bytes`` + ``activation_bytes``.
 
     Adam; activations are 16-bit unless ``precision="fp32"``; GPT-layout models keep Korthikanti et
     al.'s dropout masks, Llama-layout models train without dropout; ``attention="fused"`` stores no
-    attention scores (FlashAttention). Pipeline parallelism divides the
+    attention scores (FlashAttention), ``"explicit"`` stores them; ``"auto"`` (the default) takes what the
+    model was trained with: explicit for GPT-layout models (GPT-2, GPT-3 and Megatron-LM's GPTs), fused for
+    the others (Llama, Mixtral, DeepSeek). Pipeline parallelism divides the
     model states by ``pp`` but not the activations: under 1F1B the first stage holds L/pp layers for pp
     micro-batches in flight, as many bytes as all L layers of one micro-batch. Not counted: the logits
     and the loss, temporary buffers, and the allocator's fragmentation.
     """
     cfg = configs.get_model(model) if isinstance(model, str) else model
     device = configs.get_hardware(gpu)
+    if attention == "auto":
+        attention = "explicit" if cfg.arch == "gpt" else "fused"
     states = accounting.model_state_bytes(
         cfg, zero_stage=zero_stage, dp=dp, tp=tp, pp=pp, precision=precision, optimizer="adam"
     )
@@ -272,7 +276,7 @@ def memory_calculator_inputs(model: str = "gpt3-175b", gpu: str = "h100-sxm") ->
         "seq_len": Control("sequence", 2048, tuple(2**k for k in range(9, 18))),
         "micro_batch": Control("micro-batch", 1, (1, 2, 4, 8, 16, 32)),
         "recompute": Control("recompute", "none", accounting.RECOMPUTE),
-        "attention": Control("attention", "explicit", accounting.ATTENTION),
+        "attention": Control("attention", "auto", ("auto", *accounting.ATTENTION)),
         "zero_stage": Control("ZeRO stage", 0, accounting.ZERO_STAGES),
         "dp": Control("dp", 1, _DEGREES),
         "tp": Control("tp", 1, _DEGREES[:8]),
