@@ -192,9 +192,12 @@ def memory_case(**inputs):
         cfg, zero_stage=values["zero_stage"], dp=values["dp"], tp=values["tp"], pp=values["pp"],
         precision=values["precision"], optimizer="adam",
     )  # fmt: skip
+    attention = values["attention"]
+    if attention == "auto":  # what the model trained with: GPT-3 and Megatron's GPTs explicit, the others fused
+        attention = "explicit" if cfg.arch == "gpt" else "fused"
     activations = accounting.activation_bytes(
         cfg, seq_len=values["seq_len"], micro_batch=values["micro_batch"], tp=values["tp"], sp=values["sp"],
-        recompute=values["recompute"], attention=values["attention"],
+        recompute=values["recompute"], attention=attention,
         dtype_bytes=4 if values["precision"] == "fp32" else 2, dropout=cfg.arch == "gpt",
     )  # fmt: skip
     rows = {"parameters": states.params, "gradients": states.grads, "optimizer states": states.optimizer,

@@ -97,3 +97,11 @@ def test_bad_input_raises_value_error_before_searching():
     with pytest.raises(ValueError, match="zero_stages"):
         planner.plan("gpt2", seq_len=1024, global_batch_tokens=4096, cluster=planner.Cluster(nodes=1),
                      zero_stages=(4,))  # fmt: skip
+
+
+def test_a_gpu_without_bf16_is_refused_before_any_layout_is_predicted():
+    """The step model predicts bf16 training: a V100 (fp16 and fp32 only) gets one message naming the GPUs
+    that can be planned, not an error from deep inside the search."""
+    with pytest.raises(ValueError, match="v100-sxm2-32gb has no bf16 arithmetic; choose a GPU that has: a100"):
+        planner.plan("llama-3-8b", seq_len=8192, global_batch_tokens=2**19,
+                     cluster=planner.Cluster(gpu="v100-sxm2-32gb", nodes=1))  # fmt: skip

@@ -239,3 +239,15 @@ def test_overlapping_the_backward_leaves_three_of_five_tensor_parallel_pairs_exp
         return layer_time(cfg, 1, layout, 8192, cluster, FITTED).tp
 
     assert tp(True) == pytest.approx(3 / 5 * tp(False), rel=1e-9)
+
+
+def test_the_busiest_stage_does_not_hang_on_the_last_bit_of_a_sum():
+    """0.1 + 0.2 + 0.3 is 0.6000000000000001 added in turn and 0.6 exactly (math.fsum, and sum() from Python
+    3.12, which the calculators' Pyodide runs): one stage still holds all three layers, and two stages split
+    them 3 | 1, whichever way the total was rounded (the calculators once showed another memory than CPython)."""
+    from scalebook.system.step import busiest_stage
+
+    capacity, most = busiest_stage([0.1, 0.2, 0.3], 0.0, 1)
+    assert most == 3 and capacity == pytest.approx(0.6, rel=1e-15)
+    capacity, most = busiest_stage([0.1, 0.2, 0.3, 0.6], 0.0, 2)
+    assert most == 3 and capacity == pytest.approx(0.6, rel=1e-6)  # the search stops within 1e-6 of the optimum

@@ -106,6 +106,10 @@ def _check_inputs(cfg, seq_len, global_batch_tokens, cluster, options) -> None:
     else:
         if cluster.gpu not in configs.HARDWARE:
             problems.append(f"unknown GPU {cluster.gpu!r}; choose one of {configs.list_hardware()}")
+        elif "bf16" not in configs.get_hardware(cluster.gpu).peak_flops:
+            bf16 = [name for name in configs.list_hardware() if "bf16" in configs.get_hardware(name).peak_flops]
+            problems.append(f"the step model predicts bf16 training and {cluster.gpu} has no bf16 arithmetic; "
+                            f"choose a GPU that has: {', '.join(bf16)}")  # fmt: skip
         if cluster.inter_node_link not in configs.LINKS:
             problems.append(f"unknown link {cluster.inter_node_link!r}; choose one of {configs.list_links()}")
         for name in ("gpus_per_node", "nodes"):
@@ -160,7 +164,9 @@ def plan(
         for reason, count in ranking.rejected.items():
             rejected[_reason(reason)] += count
         ranked += [Estimate(lay, p.memory_total, p.step_time, dict(p.breakdown), p.mfu) for lay, p in ranking.ranked]
-    ranked.sort(key=lambda e: (e.step_time, e.memory))
+    # Ties to a nanosecond and a byte are broken by the label, so that CPython and Pyodide (whose libm may
+    # differ in the last bit) rank alike.
+    ranked.sort(key=lambda e: (round(e.step_time, 9), round(e.memory), e.layout.label()))
     return Plan(ranked, rejected)
 
 

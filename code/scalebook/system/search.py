@@ -59,11 +59,14 @@ def rank_layouts(model: ModelConfig, cluster: Cluster, *, seq_len: int, global_b
                                 prediction = predict(model, cluster, layout, seq_len=seq_len,
                                                      global_batch=global_batch, params=params)
                             except ValueError as error:
-                                ranking.rejected[str(error).split(": ", 1)[1].split(";")[0]] += 1
+                                reason = str(error).split(": ", 1)[-1]  # without its "cannot ...:" prefix
+                                ranking.rejected[reason.split(";")[0]] += 1
                                 continue
                             if fits_only and not prediction.feasible:
                                 ranking.rejected["does not fit in memory"] += 1
                                 continue
                             ranking.ranked.append((layout, prediction))
-    ranking.ranked.sort(key=lambda pair: pair[1].step_time)
+    # Step times equal to a nanosecond are a tie, broken by the layout's label: the order must not hang on the
+    # last bits of a float, which differ between CPython and the calculators' Pyodide (WebAssembly's libm).
+    ranking.ranked.sort(key=lambda pair: (round(pair[1].step_time, 9), pair[0].label()))
     return ranking

@@ -34,6 +34,7 @@ all-gather context parallelism); DeepSeek-AI 2024, Sec. 3.2 (DualPipe, all-to-al
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from scalebook.accounting.params import layer_weights
@@ -172,11 +173,16 @@ def busiest_stage(costs: list[float], head: float, chunks: int) -> tuple[float, 
     """Smallest achievable cost of the busiest of ``chunks`` contiguous pieces of ``costs`` with ``head`` added
     to the last piece, and the most layers a piece holds. Binary search on the capacity, greedy packing."""
     items = costs[:-1] + [costs[-1] + head]
+    if chunks == 1:  # one piece holds everything
+        return math.fsum(items), len(items)
+    # A piece is full within rounding: sum() and a running total may differ in the last bit (Python 3.12's sum()
+    # compensates, 3.11's does not, and the calculators run Pyodide's 3.13), which must not spill a layer over.
+    slack = 1 + 1e-9
 
     def pieces(capacity: float) -> int:
         count, load = 1, 0.0
         for c in items:
-            if load + c > capacity and load:
+            if load + c > capacity * slack and load:
                 count, load = count + 1, 0.0
             load += c
         return count
@@ -185,13 +191,13 @@ def busiest_stage(costs: list[float], head: float, chunks: int) -> tuple[float, 
         most = run = 0
         load = 0.0
         for c in items:
-            if load + c > capacity and run:
+            if load + c > capacity * slack and run:
                 load, run = 0.0, 0
             load, run = load + c, run + 1
             most = run if run > most else most
         return most
 
-    lo, hi = max(items), sum(items)
+    lo, hi = max(items), math.fsum(items)
     while hi - lo > 1e-6 * hi:  # about 20 halvings
         mid = (lo + hi) / 2
         if pieces(mid) <= chunks:
