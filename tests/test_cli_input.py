@@ -118,11 +118,22 @@ class Launched:
         return out, self.err
 
 
+# Ctrl-C as a terminal delivers it: the command starts with SIGINT at its default and unblocked. The test process
+# itself may have it ignored (a job started with `nohup ... &`, and so its pytest-xdist workers), and an ignored
+# SIGINT is inherited across exec and, by design, stays ignored (preemption.StopSignals): then no Ctrl-C test
+# could pass. The command is exec'd from a small Python that resets the two first.
+AS_FROM_A_TERMINAL = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
 def train_command(*args: str, nproc: int = 1) -> list[str]:
     if nproc == 1:
-        return [sys.executable, "-m", "scalebook.train", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "scalebook.train", *args]  # fmt: skip
+        return [sys.executable, "-c", AS_FROM_A_TERMINAL, "-m", "scalebook.train", *args]
+    return [sys.executable, "-c", AS_FROM_A_TERMINAL, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "-m", "scalebook.train", *args]  # fmt: skip
 
 
 LONG = [*TINY, "--steps", "100000", "--checkpoint-every", "100000"]

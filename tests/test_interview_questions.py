@@ -10,6 +10,7 @@ so a new unchecked percentage cannot slip in.
 
 from __future__ import annotations
 
+import fractions
 import functools
 import math
 import re
@@ -52,13 +53,23 @@ def _a100_bf16() -> float:
     return configs.get_hardware("a100-sxm4-80gb").peak("bf16")
 
 
-def _tp_layer_share(tp: int, link: str, alpha: float) -> float:
-    """Chapter 12's communication share of one Llama 2 70B layer (s = 4096, H100 at 50 % MFU)."""
+def _tp_layer_share(tp: int, *, across_nodes: bool) -> float:
+    """Chapter 12's communication share of one Llama 2 70B layer (s = 4096, H100 at 50 % MFU): on NVLink 4, or
+    across nodes of 8 with a rail-aligned ring (8 NDR ports per node, the network's latency only where the ring
+    leaves a node), NCCL's latencies from costmodel.link_model."""
+    from scalebook.comm.costmodel import link_model
     from scalebook.experiments import tensor
 
+    nvlink, ndr = link_model("nvlink-4"), link_model("infiniband-ndr")
+    bandwidth, alpha = nvlink.bandwidth, nvlink.alpha
+    if across_nodes:
+        per_node = tp // 2 if tp <= 8 else 8
+        bandwidth = min(nvlink.bandwidth, per_node * ndr.bandwidth)
+        alpha = accounting.ring_latency("all_reduce", tp, per_node=per_node, intra_alpha=nvlink.alpha,
+                                        inter_alpha=ndr.alpha) / (2 * (tp - 1))  # fmt: skip
     times = tensor.tensor_parallel_layer_times(
         configs.get_model("llama-2-70b"), tp, seq_len=4096, micro_batch=1, peak_flops=_h100_bf16(), mfu=0.5,
-        bandwidth=configs.get_link(link).bandwidth, alpha=alpha,
+        bandwidth=bandwidth, alpha=alpha,
     )
     return times.communication_fraction
 
@@ -241,9 +252,9 @@ CLAIMS = (
     Claim(41, "gives $\\Psi \\le {}$ trillion", lambda: 40 * GB * 1024 / 16 / 1e12, "{:.2f}"),
     Claim(41, "gives about {} billion", lambda: _largest_zero2_model(1024, 40 * GB) / 1e9),
     Claim(44, "communication is about {} % of the layer's time at $t = 8$ on NVLink",
-          lambda: _pct(_tp_layer_share(8, "nvlink-4", 3e-6))),
-    Claim(44, "and about {} % at $t = 16$ across InfiniBand",
-          lambda: _pct(_tp_layer_share(16, "infiniband-ndr", 6e-6))),
+          lambda: _pct(_tp_layer_share(8, across_nodes=False))),
+    Claim(44, "and about {} % at $t = 16$ across two nodes", lambda: _pct(_tp_layer_share(16, across_nodes=True))),
+    Claim(49, "{} for $p = 4$, $v = 2$", lambda: fractions.Fraction(2 * 4 - 1, 4 - 1), "{}"),  # (vp - 1)/(p - 1)
     Claim(47, "{} % for $p = 4$, $m = 8$", lambda: _pct(bubble_fraction(4, 8))),
     Claim(49, "from {} % to {} % for $p = 4$, $m = 8$, $v = 2$",
           (lambda: _pct(bubble_fraction(4, 8)), lambda: _pct(bubble_fraction(4, 8, virtual_stages=2)))),

@@ -366,6 +366,7 @@ class BucketedDDP(DataParallel):
         super().__init__(module, process_group, forward_sync_buffers=forward_sync_buffers,
                          find_unused_parameters=find_unused_parameters)  # fmt: skip
         self.buckets = [Bucket(i, ps) for i, ps in enumerate(assign_buckets(self.params, int(bucket_cap_mb * MIB)))]
+        self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
         self.next_bucket = 0  # buckets launch in index order on every rank, so the collectives match up
 
     def _launch_buckets(self, *, incomplete_too: bool = False) -> None:
@@ -400,19 +401,6 @@ class BucketedDDP(DataParallel):
 class OverlappedDDP(BucketedDDP):
     """Version 3: each bucket's all-reduce starts during backward, the moment its last gradient is ready;
     the end of backward only launches the buckets that never completed and waits."""
-
-    def __init__(
-        self,
-        module: nn.Module,
-        process_group=None,
-        *,
-        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
-        forward_sync_buffers: bool = True,
-        find_unused_parameters: bool = False,
-    ):
-        super().__init__(module, process_group, bucket_cap_mb=bucket_cap_mb, forward_sync_buffers=forward_sync_buffers,
-                         find_unused_parameters=find_unused_parameters)  # fmt: skip
-        self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
 
     def _on_gradient(self, p: nn.Parameter) -> None:
         """Copy ``p.grad`` into its bucket and launch every bucket that is now complete, in index order."""
