@@ -184,6 +184,7 @@ SLOW = {
         "test_every_wrapper_skips_a_nan_gradient_and_trains_on_as_one_process",
         "test_every_rank_skips_and_stops_at_the_same_step_so_none_hangs",
         "test_the_ranks_of_a_launch_read_the_checkpoint_files_once_in_all_and_fall_back_together",  # 2 ranks
+        "test_a_damaged_manifest_on_the_ranks_of_a_launch_falls_back_like_a_damaged_file",  # 2 ranks
     },
     "test_parity.py": {"test_gradient_norms_catch_the_missing_average_that_the_losses_hide"},
     "test_notebook_helpers.py": {

@@ -122,6 +122,19 @@ def test_the_ranks_of_a_launch_read_the_checkpoint_files_once_in_all_and_fall_ba
     assert sorted(hashed) == sorted(files)  # each file of both steps once: none twice, none left out
 
 
+def test_a_damaged_manifest_on_the_ranks_of_a_launch_falls_back_like_a_damaged_file(saved, tmp_path):
+    """The rank's pre-flight reads not even the manifest of ``latest``: a manifest cut in half is found by the
+    shared verification, which falls back to step 2 on both ranks (before: the pre-flight read it unverified)."""
+    ckpt = copy_of(saved, tmp_path)
+    manifest = checkpoint.step_dir(ckpt, 4) / checkpoint.MANIFEST
+    manifest.write_text(manifest.read_text()[:40])
+    ranks = launch(_verify_resume_on_each_rank, 2, ckpt, timeout=120)
+    assert all(rank["before"] == (4, []) for rank in ranks)
+    assert {rank["start"] for rank in ranks} == {2} and ranks[0]["notes"] == ranks[1]["notes"] != []
+    hashed = sorted(name for rank in ranks for name in rank["hashed"])
+    assert hashed == sorted(checkpoint.read_manifest(ckpt, 2)["files"])  # step 4 had no file list to read
+
+
 def test_consolidating_a_corrupt_checkpoint_names_the_file(saved, tmp_path, capsys):
     ckpt = copy_of(saved, tmp_path)
     flip_4_kib(checkpoint.step_dir(ckpt, 4) / "__0_0.distcp")

@@ -269,17 +269,18 @@ def memory_problems(args: argparse.Namespace, dims) -> list[str]:
 
 def resume_problems(args: argparse.Namespace, plan: Plan, *, verify: bool = True, split_over=None) -> list[str]:
     """``--resume``: set ``plan.start`` to the newest intact checkpoint's step (noting the ones passed over) and
-    return what stops this run from continuing it. ``verify=False`` takes ``latest`` without reading its files
-    (the ranks of a launch then verify it together, :func:`settle_resume`); ``split_over`` shares the reading
-    among a process group's ranks, each file read once (:func:`scalebook.train.checkpoint.verify`)."""
+    return what stops this run from continuing it. ``verify=False`` takes the step ``latest`` names and reads
+    nothing else (the ranks of a launch then verify the files and check the settings together,
+    :func:`settle_resume`); ``split_over`` shares the reading among a process group's ranks, each file read once
+    (:func:`scalebook.train.checkpoint.verify`)."""
     from scalebook import data
     from scalebook.train import checkpoint
 
     root = args.checkpoint_dir
-    if verify:
-        step, passed_over = checkpoint.newest_intact(root, split_over=split_over)
-    else:
-        step, passed_over = checkpoint.latest_step(root), []
+    if not verify:  # not even the manifest: a damaged one must fall back to an older step, as a verified read does
+        plan.start = checkpoint.latest_step(root) or 0
+        return []
+    step, passed_over = checkpoint.newest_intact(root, split_over=split_over)
     if step is None:
         return [f"--resume: no intact checkpoint under {root}: {'; '.join(passed_over)}; delete the folder or "
                 "drop --resume to start from step 0"] if passed_over else []  # fmt: skip
