@@ -123,10 +123,18 @@ def ring_latency(op: str, n: int, *, per_node: int, intra_alpha: float, inter_al
     the others, as NCCL's tuning model counts a ring's latency. With one node every step is inside it."""
     _checks.require(_collective_args(op, 0, n, "ring"), _checks.positive_int(per_node=per_node),
                     _checks.nonnegative(intra_alpha=intra_alpha, inter_alpha=inter_alpha))  # fmt: skip
-    nodes = math.ceil(n / per_node)
-    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
-    network = 2 * (nodes - 1) if op == "all_reduce" else nodes - 1
+    steps, network = ring_steps(op, n, per_node)
     return (steps - network) * intra_alpha + network * inter_alpha
+
+
+def ring_steps(op: str, n: int, per_node: int) -> tuple[int, int]:
+    """(steps, steps that cross the network) of a ring ``op`` over ``n`` ranks, ``per_node`` to a node: 2 (n - 1)
+    and 2 (r - 1) for an all-reduce over r = ceil(n / per_node) nodes, n - 1 and r - 1 otherwise. Unchecked
+    (the system model calls it for every candidate layout); :func:`ring_latency` checks its inputs."""
+    nodes = -(-n // per_node)
+    if op == "all_reduce":
+        return 2 * (n - 1), 2 * (nodes - 1)
+    return n - 1, nodes - 1
 
 
 def parameter_server_bytes_per_step(message_bytes: float, n: int) -> dict[str, float]:

@@ -38,7 +38,7 @@ import statistics
 from dataclasses import dataclass
 
 from scalebook import configs
-from scalebook.accounting.comm import bytes_sent_per_rank
+from scalebook.accounting.comm import bytes_sent_per_rank, ring_steps
 
 NCCL_VERSION = "2.23-2.27 (src/graph/tuning.cc)"
 NCCL_BASE_LATENCY = 8.4e-6  # baseLat[Ring][Simple], seconds per collective
@@ -129,8 +129,7 @@ def collective_time(op: str, message_bytes: float, n: int, *, per_domain: int, c
         bandwidth = cluster.nvlink
     else:
         bandwidth = min(cluster.nvlink, g * cluster.network_per_gpu)
-    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
-    network_steps = 0 if domains == 1 else (2 * (domains - 1) if op == "all_reduce" else domains - 1)
+    steps, network_steps = ring_steps(op, n, g)
     latency = NCCL_BASE_LATENCY + (steps - network_steps) * NCCL_NVLINK_LATENCY
     latency += network_steps * NCCL_NETWORK_LATENCY
     return latency + bytes_sent_per_rank(op, message_bytes, n) / bandwidth
