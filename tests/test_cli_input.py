@@ -337,6 +337,28 @@ def test_a_refused_layout_under_a_torchrun_started_by_hand_is_one_message_and_ex
     assert "exitcode  : 1" not in finished.stderr and "exitcode  : 2" in finished.stderr
 
 
+SLOW_RANK0_REFUSES = (
+    "import os, sys, time\n"
+    "from scalebook.comm.launch import rank0_says\n"
+    "if os.environ['RANK'] == '0':\n"
+    "    time.sleep(3)  # rank 0 late to its check: rank 1 finds the error first and would exit at once\n"
+    "rank0_says('rank 0 was heard\\n')\n"
+    "sys.exit(2)\n"
+)
+
+
+def test_an_error_every_rank_finds_is_said_by_rank_0_even_when_another_rank_finds_it_first(tmp_path):
+    # CI once lost the message: rank 1 exited with code 2 first, and torchrun stopped rank 0 (it polls every 0.1 s)
+    # before rank 0 had printed. The other ranks now wait, through torchrun's store, until rank 0 has said it.
+    script = tmp_path / "refuse.py"
+    script.write_text(SLOW_RANK0_REFUSES)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    finished = processes.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120, name="torchrun")
+    assert finished.returncode != 0
+    assert finished.stderr.count("rank 0 was heard") == 1, finished.stderr
+    assert "exitcode  : 2" in finished.stderr and "Signals.SIGTERM" not in finished.stderr, finished.stderr
+
+
 # ----- 8. torchrun told to stop, as the sbatch scripts run it -------------------------------------------------
 
 

@@ -152,6 +152,31 @@ def init_from_env(timeout: float = 600.0) -> DistEnv:
     return env
 
 
+def rank0_says(text: str, timeout: float = 30.0) -> None:
+    """Rank 0 writes ``text`` to stderr; under torchrun the other ranks return only once it has (or after
+    ``timeout`` seconds), through the agent's store, before any process group exists.
+
+    For an error that every rank finds and exits on: torchrun stops the remaining ranks as soon as one rank
+    exits with a failure, so without the wait a rank 1 that found the error first could have rank 0 stopped
+    before it had said anything. Anywhere else (one process, srun) rank 0 writes and the others return at once.
+    """
+    env = detect_env()
+    if env.rank == 0:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    if env.launcher != "torchrun" or env.world_size == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    key = f"scalebook/rank0_said/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout))
+        if env.rank == 0:
+            store.set(key, "1")
+        else:
+            store.wait([key], timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 - no store, or rank 0 never said it: the error stands, exit as planned
+        pass
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

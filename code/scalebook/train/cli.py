@@ -72,16 +72,15 @@ class TrainingDiverged(RuntimeError):
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but an error is reported once in a distributed run: rank 0 prints it, without the usage text
-    (``--help`` has it), and every rank exits with argparse's code 2 (no traceback: torchrun's report of the exit
-    codes follows, which no rank can silence, so rank 0 says what it is)."""
+    (``--help`` has it), and every rank exits with argparse's code 2 once rank 0 has printed it (no traceback:
+    torchrun's report of the exit codes follows, which no rank can silence, so rank 0 says what it is)."""
 
     def error(self, message: str):
-        from scalebook.comm import detect_env
+        from scalebook.comm.launch import rank0_says
 
         torchrun = ("\n(torchrun's report below only says that the ranks exited with code 2; --check-only WORLD_SIZE "
                     "runs these checks without torchrun)") if "TORCHELASTIC_RUN_ID" in os.environ else ""  # fmt: skip
-        if detect_env().rank == 0:
-            self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help){torchrun}\n")
+        rank0_says(f"{self.prog}: error: {message}\n(see {self.prog} --help){torchrun}\n")  # the others wait for it
         self.exit(2)
 
 
