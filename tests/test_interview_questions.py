@@ -162,9 +162,10 @@ def _pct(x: float) -> float:
 
 
 CLAIMS = (
-    Claim(14, "an H100 SM has {} KB", lambda: configs.get_hardware("h100-sxm").smem_per_sm_bytes / 1024),
-    Claim(14, "room for blocks of {} keys at head width 128",
-          lambda: flash.flash_block_sizes(configs.get_hardware("h100-sxm"), 128)[1]),
+    Claim(14, "an H100 SM has {} KiB", lambda: configs.get_hardware("h100-sxm").smem_per_sm_bytes / 1024),
+    Claim(14, "query tiles of {} rows and key tiles of up to {} rows at head width 128",
+          (lambda: flash.flash_block_sizes(configs.get_hardware("h100-sxm"), 128)[0],
+           lambda: flash.flash_block_sizes(configs.get_hardware("h100-sxm"), 128)[1])),
     Claim(15, "128k-token sequence would take {} GB",
           lambda: accounting.kv_cache_bytes(_llama3_70b(), seq_len=131072, n_kv_heads=_llama3_70b().n_heads) / GB),
     Claim(15, "cuts it to {} GB", lambda: accounting.kv_cache_bytes(_llama3_70b(), seq_len=131072) / GB),
