@@ -113,8 +113,9 @@ def compress_hook(dtype: torch.dtype, process_group, bucket, *, all_reduce: Call
     division, in ``dtype``), so that it gives the same bits; the message has ``dtype``'s width, half of
     fp32's for fp16 and bf16. The result is written back into the bucket's buffer in its own dtype. Each
     element is rounded to ``dtype`` (relative error up to 2^-11 in fp16, 2^-8 in bf16), and again by each
-    addition of the all-reduce; fp16 also flushes magnitudes below 2^-24 to zero after the division by the
-    group size. ``process_group`` is the hook's state (None: the default group). ``all_reduce``, if given,
+    addition of the all-reduce. fp16's smallest subnormal is 2^-24: rounding to nearest, a magnitude up to
+    2^-25 becomes 0 and one between 2^-25 and 2^-24 becomes 2^-24, in the cast and again after the division
+    by the group size. ``process_group`` is the hook's state (None: the default group). ``all_reduce``, if given,
     is a blocking from-scratch sum ``all_reduce(tensor, group)`` such as
     ``scalebook.comm.collectives.ring_all_reduce``, used instead of ``dist.all_reduce``.
     (No annotations on the hook's arguments: torch's ``register_comm_hook`` compares them with its types.)
