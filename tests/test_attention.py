@@ -17,6 +17,7 @@ from scalebook.attention import (
     additive_mask,
     attention_forward_flops,
     attention_saved_bytes,
+    attention_score_gradients,
     causal_mask,
     dot_product_variance,
     forward_backward_seconds,
@@ -403,7 +404,38 @@ def test_scaling_keeps_the_softmax_from_saturating():
     unscaled = softmax_stats(1024, scaled=False)
     # Unscaled, the scores have standard deviation sqrt(1024) = 32: the largest one takes nearly all.
     assert abs(unscaled.score_std / 32 - 1) < 0.1
-    assert unscaled.max_weight > 0.9 and unscaled.grad_norm < 0.5 * wide.grad_norm
+    assert unscaled.max_weight > 0.9 and unscaled.score_grad_norm < 0.5 * wide.score_grad_norm
+
+
+@pytest.mark.parametrize("scale", [1.0, 1 / math.sqrt(32)])
+def test_attention_score_gradients_match_the_chain_rule_by_hand(scale):
+    """Autograd's gradients equal the hand derivation: dS = P * (g - rowsum(P * g)), dq = scale dS k,
+    dk = scale dS^T q. Float64 and O(1) to O(10) entries: only rounding (~1e-15) separates them, so 1e-10
+    relative; a dropped scale (a factor sqrt(32)) or a transposed dS fails by O(1)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, g = (torch.randn(n, m, generator=gen, dtype=torch.float64) for n, m in ((40, 32), (24, 32), (40, 24)))
+    p, d_s, d_q, d_k = attention_score_gradients(q, k, g, scale=scale)
+    p_hand = torch.softmax(scale * q @ k.T, dim=-1)
+    d_s_hand = p_hand * (g - (p_hand * g).sum(dim=-1, keepdim=True))
+    for got, hand in ((p, p_hand), (d_s, d_s_hand), (d_q, scale * d_s_hand @ k), (d_k, scale * d_s_hand.T @ q)):
+        assert ((got - hand).abs().max() / hand.abs().max()).item() < 1e-10
+
+
+def test_without_scaling_more_gradient_reaches_q_and_k_but_few_rows_get_it():
+    """What Chapter 4 teaches: unscaled scores of a wide head saturate the softmax (dL/dS shrinks), yet the
+    gradient reaching the queries and keys is larger, not smaller, and concentrated on a few queries."""
+    scaled, unscaled = softmax_stats(1024, scaled=True), softmax_stats(1024, scaled=False)
+    assert unscaled.entropy < 0.1 * scaled.entropy
+    assert unscaled.score_grad_norm < 0.5 * scaled.score_grad_norm
+    # Measured (seed 0): q 1.53 against 0.18, k 11.0 against 0.52; seeds 0-3 give q ratios of 8.6 to 11.5.
+    assert unscaled.query_grad_norm > 5 * scaled.query_grad_norm
+    assert unscaled.key_grad_norm > 10 * scaled.key_grad_norm
+    # A typical query gets almost nothing (median 0.002 against 0.17), the luckiest one 70 times more than
+    # any scaled query: the mean is carried by the rows whose two largest scores nearly tie.
+    assert unscaled.query_grad_median < 0.1 * scaled.query_grad_median
+    assert unscaled.query_grad_max > 20 * scaled.query_grad_max
+    # The top 10 % of queries hold 96 % of the squared gradient unscaled, 27 % scaled (10 % if all were equal).
+    assert unscaled.query_grad_top_share > 0.8 and scaled.query_grad_top_share < 0.5
 
 
 def test_forward_backward_seconds_counts_cpu_time_not_time_spent_waiting():

@@ -467,12 +467,21 @@ def forward_backward_seconds(
 
 @dataclass(frozen=True)
 class SoftmaxStats:
-    """How peaked the attention weights of random queries and keys are (means over the queries)."""
+    """How peaked the attention weights of random queries and keys are, and what gradient flows back.
+
+    Means over the rows unless said otherwise: over the queries for the weights and for d loss / d q,
+    over the keys for d loss / d k.
+    """
 
     score_std: float  # standard deviation of the scores fed to the softmax
     max_weight: float  # the largest weight in a row: 1/n_keys when uniform, 1 when saturated
     entropy: float  # nats: ln(n_keys) when uniform, 0 when saturated
-    grad_norm: float  # ||d loss / d scores|| for a random unit-variance upstream gradient
+    score_grad_norm: float  # ||d loss / d S|| of a row, S the (scaled) scores, for a random upstream gradient
+    query_grad_norm: float  # ||d loss / d q|| of a query: what reaches W_Q
+    query_grad_median: float  # its median over the queries: what a typical query receives
+    query_grad_max: float  # its largest value over the queries
+    query_grad_top_share: float  # the share of sum_i ||d loss / d q_i||^2 held by the 10 % of queries with most
+    key_grad_norm: float  # ||d loss / d k|| of a key: what reaches W_K
 
 
 def dot_product_variance(d_k: int, *, n_pairs: int = 10_000, seed: int = 0) -> float:
@@ -483,26 +492,51 @@ def dot_product_variance(d_k: int, *, n_pairs: int = 10_000, seed: int = 0) -> f
     return float((q * k).sum(dim=-1).var())
 
 
+def attention_score_gradients(
+    q: torch.Tensor, k: torch.Tensor, upstream: torch.Tensor, *, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weights P = softmax(S), S = scale q k^T, and the gradients of L = sum(P * upstream), by autograd.
+
+    Returns (P, dL/dS, dL/dq, dL/dk). By the chain rule dL/dS = P * (upstream - rowsum(P * upstream)),
+    dL/dq = scale dL/dS k and dL/dk = scale (dL/dS)^T q: the scale that shrinks the scores also shrinks
+    the gradient that goes back through them.
+    """
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    scores = scale * (q @ k.T)
+    scores.retain_grad()
+    p = F.softmax(scores, dim=-1)
+    (p * upstream).sum().backward()
+    return p.detach(), scores.grad, q.grad, k.grad
+
+
 def softmax_stats(
     d_k: int, *, scaled: bool, n_queries: int = 512, n_keys: int = 64, seed: int = 0
 ) -> SoftmaxStats:
     """Softmax of q k^T (divided by sqrt(d_k) if ``scaled``) for N(0, 1) queries and keys of width d_k.
 
-    The gradient through the softmax is J^T g with J = diag(p) - p p^T: it vanishes as p becomes
-    one-hot, which is what unscaled scores of a wide head do.
+    Unscaled, the scores of a wide head have standard deviation sqrt(d_k) and the softmax saturates: its
+    entropy collapses and d loss / d S shrinks, since the Jacobian diag(p) - p p^T vanishes as p becomes
+    one-hot. The gradient that reaches q and k is d loss / d S times keys (queries) of norm sqrt(d_k), not
+    sqrt(d_k) / sqrt(d_k): on average it is larger than with the scaling, and it is concentrated on the few
+    rows whose two largest scores nearly tie, while a typical row receives almost nothing.
     """
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(n_queries, d_k, generator=gen, dtype=torch.float64)
     k = torch.randn(n_keys, d_k, generator=gen, dtype=torch.float64)
     upstream = torch.randn(n_queries, n_keys, generator=gen, dtype=torch.float64)
-    scores = (q @ k.T / (math.sqrt(d_k) if scaled else 1.0)).requires_grad_()
-    p = F.softmax(scores, dim=-1)
-    (p * upstream).sum().backward()
-    p = p.detach()
+    scale = 1 / math.sqrt(d_k) if scaled else 1.0
+    p, d_scores, d_q, d_k_ = attention_score_gradients(q, k, upstream, scale=scale)
     entropy = -(p * torch.log(p.clamp_min(1e-300))).sum(dim=-1)
+    query_grads = d_q.norm(dim=-1)
+    squares = (query_grads**2).sort(descending=True).values
     return SoftmaxStats(
-        score_std=float(scores.detach().std()),
+        score_std=float((scale * (q @ k.T)).std()),
         max_weight=float(p.max(dim=-1).values.mean()),
         entropy=float(entropy.mean()),
-        grad_norm=float(scores.grad.norm(dim=-1).mean()),
+        score_grad_norm=float(d_scores.norm(dim=-1).mean()),
+        query_grad_norm=float(query_grads.mean()),
+        query_grad_median=float(query_grads.median()),
+        query_grad_max=float(query_grads.max()),
+        query_grad_top_share=float(squares[: max(1, n_queries // 10)].sum() / squares.sum()),
+        key_grad_norm=float(d_k_.norm(dim=-1).mean()),
     )

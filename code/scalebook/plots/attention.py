@@ -44,19 +44,28 @@ def attention_map_grid(maps: dict[str, object], tokens: Sequence[str], *, ncols:
 
 
 def softmax_saturation(d_ks: Sequence[int], stats: dict[str, Sequence], *, title: str = ""):
-    """Three panels against the head width d_k (log scale): the largest attention weight, the entropy of
-    the weights and the gradient norm through the softmax. ``stats[label]`` is a list of objects with
-    ``max_weight``, ``entropy`` and ``grad_norm`` (one per d_k)."""
-    fig, axes = plt.subplots(1, 3, figsize=(10.0, 3.3))
+    """Four panels against the head width d_k (log scale): the largest attention weight, the entropy of the
+    weights, the gradient norm with respect to the scores, and the gradient norm that reaches a query (mean
+    over the queries, solid, and median, dotted, on a log scale). ``stats[label]`` is a list of
+    :class:`scalebook.attention.SoftmaxStats` (one per d_k)."""
+    fig, grid = plt.subplots(2, 2, figsize=(10.0, 6.2))
+    axes = grid.ravel()
     panels = [("max_weight", "largest weight in a row"), ("entropy", "entropy of a row (nats)"),
-              ("grad_norm", "gradient norm through softmax")]  # fmt: skip
-    for ax, (field, label) in zip(axes, panels, strict=True):
+              ("score_grad_norm", "||dL/dS||, S the scores")]  # fmt: skip
+    for ax, (field, label) in zip(axes, panels, strict=False):
         for series, values in stats.items():
             ax.plot(d_ks, [getattr(v, field) for v in values], marker="o", markersize=4, label=series)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("head width $d_h$")
         ax.set_title(label, fontsize=10)
         ax.set_ylim(0, None)
+    ax = axes[3]
+    for color, values in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], stats.values(), strict=False):
+        ax.plot(d_ks, [v.query_grad_norm for v in values], marker="o", markersize=4, color=color)
+        ax.plot(d_ks, [v.query_grad_median for v in values], linestyle=":", marker=".", color=color)
+    ax.set_yscale("log")
+    ax.set_title("||dL/dq||: mean (solid), median (dotted)", fontsize=10)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("head width $d_h$")
     axes[0].legend(fontsize=8)
     if title:
         fig.suptitle(title)
