@@ -255,6 +255,16 @@ def test_bias_balancing_lowers_imbalance_against_no_balancing():
     assert sum(bias) / len(bias) < 0.8 * sum(none) / len(none)
 
 
+def test_balancing_rates_reach_the_layers():
+    # With a rate of zero either method is no balancing at all, step for step; with the defaults (aux 0.01, bias
+    # update 0.005) the runs part from the unbalanced one, so the rates are really applied to every MoE layer.
+    none = train_load_balance("none", steps=5, batch_size=2)
+    assert train_load_balance("aux_loss", steps=5, batch_size=2, aux_loss_weight=0.0) == none
+    assert train_load_balance("bias", steps=5, batch_size=2, bias_update=0.0) == none
+    assert train_load_balance("aux_loss", steps=5, batch_size=2)["loss"] != none["loss"]
+    assert train_load_balance("bias", steps=5, batch_size=2)["imbalance"] != none["imbalance"]
+
+
 def test_bad_moe_config_raises():
     with pytest.raises(ValueError, match="top_k"):
         expert.MoEConfig(n_experts=2, top_k=3)

@@ -122,5 +122,13 @@ def test_volume_formulas_match_hand_counts():
     uly = volume.ulysses_bytes_per_rank(1, 128, 131072, 128, cp=8, kv_heads=8)
     assert uly["forward"] == uly["backward"] == 7 / 8 * 16384 * 128 * 272 * 2
     assert volume.ring_attention_bytes_per_rank(2, 4, 64, 16, cp=1) == {"forward": 0, "backward": 0}
+    # Llama 3's all-gather of K and V: each rank's share, 16384 tokens * 8 heads * 128 * 2 bytes for K and as much for
+    # V, goes to the 7 other ranks: 7 * 2 * 32 MiB forward; the backward gathers them again and reduce-scatters
+    # their gradients, twice that.
+    gathered = volume.kv_allgather_bytes_per_rank(1, 128, 131072, 128, cp=8, kv_heads=8)
+    assert gathered == {"forward": 7 * 2 * 16384 * 8 * 128 * 2, "backward": 2 * 7 * 2 * 16384 * 8 * 128 * 2}
+    assert gathered["forward"] == ring["forward"]  # the ring's forward passes the same K/V blocks, one hop at a time
+    assert gathered["backward"] == ring["backward"] - 2 * block  # the ring also sends the gradients home
+    assert volume.kv_allgather_bytes_per_rank(2, 4, 64, 16, cp=1) == {"forward": 0, "backward": 0}
     # Ring hides its transfers once s/c >= n_kv e P / (a B): 8 * 2 * 1e15 / (128 * 50e9) = 2500 tokens.
     assert volume.ring_overlap_min_tokens(128, kv_heads=8, flops=1e15, bandwidth=50e9) == pytest.approx(2500)

@@ -16,8 +16,8 @@ chapters check these numbers against.
              algbw, busbw, busbw_factor, seconds_at_busbw (nccl-tests' bandwidths)
     pipeline bubble_fraction, peak_in_flight, p2p_bytes_per_step, balanced_partition, stage_memory
     async_tp chunked_overlap_time, async_tp_layer_times (communication hidden under decomposed matmuls)
-    context  ring_attention_bytes_per_rank, ulysses_bytes_per_rank, ulysses_problems, ring_overlap_min_tokens
-             (context parallelism: ring attention against Ulysses)
+    context  ring_attention_bytes_per_rank, ulysses_bytes_per_rank, kv_allgather_bytes_per_rank, ulysses_problems,
+             ring_overlap_min_tokens (context parallelism: ring attention, Ulysses, Llama 3's K/V all-gather)
     precision format_bytes (fp8 with its scales), deepseek_v3_state_bytes
     roofline gpt_layer_ops, matmul_cost, ridge_point, attainable_flops, memory_bound (arithmetic intensity)
 
@@ -39,6 +39,7 @@ from scalebook.accounting.comm import (
     tensor_parallel_bytes_per_layer,
 )
 from scalebook.accounting.context import (
+    kv_allgather_bytes_per_rank,
     ring_attention_bytes_per_rank,
     ring_overlap_min_tokens,
     ulysses_bytes_per_rank,
@@ -107,6 +108,7 @@ __all__ = [
     "parameter_server_bytes_per_step",
     "parameter_server_time",
     "ring_attention_bytes_per_rank",
+    "kv_allgather_bytes_per_rank",
     "ring_overlap_min_tokens",
     "seconds_at_busbw",
     "tensor_parallel_bytes_per_layer",

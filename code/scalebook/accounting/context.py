@@ -19,6 +19,18 @@ rank holds and sends the rest. The backward runs the two exchanges in reverse, w
 
 which falls as 1/c. It needs c to divide both a and n_kv (every rank gets whole heads).
 
+**All-gather of K and V** (Llama 3's context parallelism) is neither: each rank all-gathers the keys and
+values of the whole sequence and computes its own queries against them, with a zig-zag-like split of the
+sequence into 2c chunks for causal balance. An all-gather sends every rank's share to the c - 1 others; the
+backward gathers K and V again (keeping every layer's whole-sequence K and V would cost c times the ring's
+memory) and reduce-scatters their gradients, as large:
+
+    forward (c-1)/c * 2 b s n_kv d e          backward 2 (c-1)/c * 2 b s n_kv d e
+
+the ring's forward volume exactly, and 2 blocks fewer than its backward, but each as one collective next to
+attention, exposed. It is cheap under grouped-query
+attention (n_kv much smaller than a) and takes any attention mask (document masks) and any c.
+
 **Overlap.** A zig-zag rank computes about half of each arriving block, 4 b a (s/c)^2 d / 2 FLOPs in the
 forward, while the next K and V blocks, 2 b n_kv (s/c) d e bytes, cross one link. At P FLOP/s and B bytes/s
 the transfer hides behind the computation once
@@ -30,7 +42,8 @@ earlier). Ulysses' all-to-alls sit between the projections and attention, with n
 
 Source: Liu, Zaharia and Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
 Context"; Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for Enabling Training of Extreme
-Long Sequence Transformer Models" (Sec. 3.2, communication analysis).
+Long Sequence Transformer Models" (Sec. 3.2, communication analysis); Grattafiori et al. 2024, "The Llama 3
+Herd of Models" (Sec. 3.3.2, context parallelism).
 """
 
 from __future__ import annotations
@@ -73,6 +86,17 @@ def ring_attention_bytes_per_rank(
         return {"forward": 0, "backward": 0}
     block = batch * kv_heads * (seq_len // cp) * head_dim * dtype_bytes
     return {"forward": 2 * (cp - 1) * block, "backward": (4 * (cp - 1) + 2) * block}
+
+
+def kv_allgather_bytes_per_rank(
+    batch: int, heads: int, seq_len: int, head_dim: int, *, cp: int, kv_heads: int | None = None, dtype_bytes: int = 2
+) -> dict[str, float]:
+    """Bytes each rank sends in one layer of Llama 3's all-gather context parallelism, ``{"forward": ...,
+    "backward": ...}``: (c-1)/c * 2 b s n_kv d e forward, twice that backward (module docstring)."""
+    kv_heads = heads if kv_heads is None else kv_heads
+    _checks.require(_shape_problems(batch, heads, seq_len, head_dim, cp, kv_heads, dtype_bytes))
+    gathered = (cp - 1) / cp * 2 * batch * seq_len * kv_heads * head_dim * dtype_bytes
+    return {"forward": gathered, "backward": 2 * gathered}
 
 
 def ulysses_bytes_per_rank(

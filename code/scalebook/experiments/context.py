@@ -5,7 +5,8 @@ default group against :func:`~scalebook.parallel.context.causal_attention` on th
 bytes sent, bytes saved for backward and the half-chunk pairs every rank computes; :func:`compare_ulysses`
 does the same for :func:`scalebook.parallel.ulysses.ulysses_attention`; :func:`ring_variants` measures the
 naive ring against the one that skips masked pairs and overlaps its transfers (pairs, FLOPs counted by
-``FlopCounterMode``, seconds); :func:`context_parallel_study` launches all three for several context-parallel
+``FlopCounterMode``, and each rank's CPU seconds of computing, the variants timed in turn, round after round);
+:func:`context_parallel_study` launches all three for several context-parallel
 sizes; :func:`gpt_context_parallel_errors` trains the GPT one step with ring attention or Ulysses against
 one process.
 
@@ -16,6 +17,7 @@ Jacobs et al. 2023, "DeepSpeed Ulysses"; Tazi et al. 2025, "The Ultra-Scale Play
 from __future__ import annotations
 
 import copy
+import os
 import time
 
 import torch
@@ -173,15 +175,17 @@ def _ring_pass(q, k, v, grad_out, split: str, skip: bool, overlap: bool) -> tupl
 
 def ring_variants(
     *, batch: int = 2, heads: int = 4, seq_len: int = 64, head_dim: int = 16, variants=RING_VARIANTS,
-    timed_seq_len: int | None = None, repeats: int = 3, seed: int = 0, counted: bool = True,
+    timed_seq_len: int | None = None, timed_head_dim: int | None = None, rounds: int = 5, seed: int = 0,
+    counted: bool = True,
 ) -> dict[tuple[str, bool, bool], dict]:  # fmt: skip
     """On every rank of the default group: each ``(split, skip_masked, overlap)`` variant of ring attention,
     its output against one-rank attention (``"error"``), the half-chunk pairs every rank computed and the
     matmul FLOPs it ran (``FlopCounterMode``, forward and backward; ``"per_rank"``), unless ``counted`` is
     False (``FlopCounterMode``'s first use costs a second or two of CPU per rank). With ``timed_seq_len``,
-    also every rank's seconds at that length (machine-dependent; ``"seconds"``): of the whole forward and
-    backward pass (``"step"``), of computing and of waiting for blocks, from the repeat with the shortest
-    step of ``repeats``."""
+    also every rank's seconds at that length, with heads ``timed_head_dim`` wide (default ``head_dim``;
+    machine-dependent; ``"seconds"``: per rank, the CPU seconds of computing the forward and the backward pass
+    and the rest of the wall clock, the variants timed in turn, each rank's best of ``rounds``) and the load
+    average of the machine when the timing ended (``"load"``)."""
     rank, cp = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(seed)
     q, k, v, grad_out = (torch.randn(batch, heads, seq_len, head_dim, generator=gen) for _ in range(4))
@@ -195,37 +199,60 @@ def ring_variants(
         results[split, skip, overlap].update(error=(_gathered(out, split) - reference).abs().max().item(),
                                              per_rank=every_rank)  # fmt: skip
     if timed_seq_len:
-        timed = [torch.randn(batch, heads, timed_seq_len // cp, head_dim) for _ in range(4)]
-        for variant in variants:
-            results[variant]["seconds"] = _time_ring(timed, *variant, repeats=repeats)
+        timed = [torch.randn(batch, heads, timed_seq_len // cp, timed_head_dim or head_dim) for _ in range(4)]
+        for variant, seconds in _time_ring(timed, variants, rounds=rounds).items():
+            results[variant]["seconds"] = seconds
+            results[variant]["load"] = os.getloadavg()
     return results
 
 
-def _time_ring(local: list[torch.Tensor], split: str, skip: bool, overlap: bool, *, repeats: int) -> list[dict]:
-    """Every rank's seconds of one forward and backward pass: whole, computing, waiting (the shortest pass)."""
-    best = None
-    for _ in range(repeats):
-        mine = [t.clone().requires_grad_() for t in local[:3]]
-        work = {}
-        dist.barrier()  # every rank starts the pass together
-        start = time.perf_counter()
-        ring_attention(*mine, split=split, work=work, skip_masked=skip, overlap=overlap).backward(local[3])
-        seconds = dict(work["seconds"], step=time.perf_counter() - start)
-        best = seconds if best is None or seconds["step"] < best["step"] else best
+def _time_ring(local: list[torch.Tensor], variants, *, rounds: int) -> dict[tuple[str, bool, bool], list[dict]]:
+    """Every rank's CPU seconds of computing one forward and one backward pass of each variant, and the wall
+    seconds of the pass: ``{variant: [per rank {"forward", "backward", "wait"}]}``, ``"wait"`` being the rest of
+    the wall clock (waiting for a block, for the other rank or for a core).
+
+    The CPU clock is this thread's (``time.thread_time``), on one intra-op thread: it counts what this rank
+    computed, the autograd backward included (on CPU it runs on the calling thread), and not the time it
+    waited, nor what other processes ran. The variants take turns, round after round, so that a change of
+    load falls on all of them; each rank keeps, per variant, its round with the least CPU time.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    best = {}
+    try:
+        for _ in range(rounds):
+            for split, skip, overlap in variants:
+                mine = [t.clone().requires_grad_() for t in local[:3]]
+                dist.barrier()  # every rank starts the pass together
+                wall, cpu = time.perf_counter(), time.thread_time()
+                out = ring_attention(*mine, split=split, skip_masked=skip, overlap=overlap)
+                forward = time.thread_time() - cpu
+                out.backward(local[3])
+                computing = time.thread_time() - cpu
+                seconds = {"forward": forward, "backward": computing - forward,
+                           "wait": max(0.0, time.perf_counter() - wall - computing)}  # fmt: skip
+                kept = best.get((split, skip, overlap))
+                if kept is None or computing < kept["forward"] + kept["backward"]:
+                    best[split, skip, overlap] = seconds
+    finally:
+        torch.set_num_threads(threads)
     every_rank = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, best)
-    return every_rank
+    return {variant: [mine[variant] for mine in every_rank] for variant in variants}
 
 
-def _study_on_rank(seq_len: int, timed_seq_len: int | None, gqa: bool) -> dict:
+def _study_on_rank(seq_len: int, timed_seq_len: int | None, gqa: bool, variants: bool) -> dict:
     """One launch, every measurement of the chapter's context-parallel section on this rank."""
     cp = dist.get_world_size()
     results = {
         "ring": compare_ring_attention(seq_len=seq_len),
         "ulysses": {"mha": compare_ulysses(seq_len=seq_len, heads=4)},
-        # Counted where not timed: the chapter counts at c = 4 and times at c = 2.
-        "variants": ring_variants(seq_len=seq_len, timed_seq_len=timed_seq_len, batch=1, counted=not timed_seq_len),
     }
+    if variants:
+        # Timed with heads 64 wide: at 16 the elementwise work of a pair (exponentials, the causal mask) outweighs
+        # its matmuls on a CPU, and a diagonal pair costs about twice a plain one; at 64 a pair's CPU time is
+        # closer to its FLOPs, which are what the ranks' shares of the work are counted in.
+        results["variants"] = ring_variants(seq_len=seq_len, timed_seq_len=timed_seq_len, timed_head_dim=64, batch=1)
     if gqa:  # 8 query heads sharing 2 K/V heads: each rank gets 4 query heads and the one K/V head they share
         results["ulysses"]["gqa"] = compare_ulysses(seq_len=seq_len, heads=4 * cp, kv_heads=cp)
     return results
@@ -233,20 +260,24 @@ def _study_on_rank(seq_len: int, timed_seq_len: int | None, gqa: bool) -> dict:
 
 def context_parallel_study(
     cps: tuple[int, ...] = (2, 4), *, seq_len: int = 64, timed: dict[int, int] | None = None,
-    gqa: tuple[int, ...] = (2,), timeout: float = 300.0,
+    gqa: tuple[int, ...] = (2,), variants: tuple[int, ...] = (4,), timeout: float = 300.0,
 ) -> dict[int, dict]:  # fmt: skip
     """Check every layout, then run, on ``cp`` fresh ranks for each ``cp`` (one launch each): ring attention
     (:func:`compare_ring_attention`), Ulysses with 4 heads and, for ``cp`` in ``gqa``, with grouped-query
-    attention (:func:`compare_ulysses`), and the ring's variants (:func:`ring_variants`): timed at
-    ``timed[cp]`` tokens where given, else counted. Returns rank 0's results per ``cp``: ``{"ring": {split: ...},
-    "ulysses": {"mha" | "gqa": {split: ...}}, "variants": {(split, skip, overlap): ...}}``."""
+    attention (:func:`compare_ulysses`), and for ``cp`` in ``variants`` the ring's variants
+    (:func:`ring_variants`): counted, and timed at ``timed[cp]`` tokens (heads 64 wide) where given. Returns rank
+    0's results per ``cp``: ``{"ring": {split: ...}, "ulysses": {"mha" | "gqa": {split: ...}}, "variants":
+    {(split, skip, overlap): ...}}`` (``"variants"`` only for ``cp`` in ``variants``)."""
     timed = timed or {}
     for cp in cps:
         for split in SPLITS:
             validate_context_parallel(seq_len, cp, split)
             if cp in timed:
                 validate_context_parallel(timed[cp], cp, split)
-    return {cp: launch(_study_on_rank, cp, seq_len, timed.get(cp), cp in gqa, timeout=timeout)[0] for cp in cps}
+    return {
+        cp: launch(_study_on_rank, cp, seq_len, timed.get(cp), cp in gqa, cp in variants, timeout=timeout)[0]
+        for cp in cps
+    }
 
 
 def gpt_context_parallel_errors(cp: int, split: str = "zigzag", *, seed: int = 0, method: str = "ring") -> dict:
@@ -291,10 +322,10 @@ def ring_vs_ulysses_rows(
     models: tuple[str, ...] = ("gpt3-175b", "llama-3-8b", "llama-3.1-405b"), cps: tuple[int, ...] = (8, 16), *,
     seq_len: int = 131072, hardware: str = "h100-sxm", links: tuple[str, ...] = ("nvlink-4", "infiniband-ndr"),
 ) -> tuple[list[list], list[str]]:  # fmt: skip
-    """A table (rows, headers) of ring attention against Ulysses for one ``seq_len``-token bf16 sequence of each
-    model on ``cp`` ranks, from :mod:`scalebook.accounting.context`: the bytes each rank sends per layer in the
-    forward pass, whether Ulysses can run, and from how many tokens per rank the ring hides its transfers
-    behind ``hardware``'s dense bf16 peak on each of ``links`` (a prediction)."""
+    """A table (rows, headers) of ring attention against Ulysses and Llama 3's all-gather of K and V for one
+    ``seq_len``-token bf16 sequence of each model on ``cp`` ranks, from :mod:`scalebook.accounting.context`: the
+    bytes each rank sends per layer in the forward pass, whether Ulysses can run, and from how many tokens per
+    rank the ring hides its transfers behind ``hardware``'s dense bf16 peak on each of ``links`` (a prediction)."""
     peak = configs.get_hardware(hardware).peak_flops["bf16"]
     rows = []
     for name in models:
@@ -306,13 +337,15 @@ def ring_vs_ulysses_rows(
         ]
         for cp in cps:
             ring = accounting.ring_attention_bytes_per_rank(**shape, cp=cp)["forward"]
+            gathered = accounting.kv_allgather_bytes_per_rank(**shape, cp=cp)["forward"]
             if accounting.ulysses_problems(cfg.n_heads, cfg.n_kv_heads, seq_len, cp):
                 ulysses, less = f"no: c does not divide n_kv = {cfg.n_kv_heads}", "ring"
             else:
                 sent = accounting.ulysses_bytes_per_rank(**shape, cp=cp)["forward"]
                 ulysses, less = f"{sent / 1e9:.2f}", "Ulysses" if sent < ring else "ring"
-            rows.append([name, f"{cfg.n_heads} / {cfg.n_kv_heads}", cp, f"{ring / 1e9:.2f}", ulysses, less,
-                         seq_len // cp, *(f"{h:,.0f}" for h in hide)])  # fmt: skip
-    headers = ["model", "a / n_kv", "c", "ring GB sent", "Ulysses GB sent", "sends less", "tokens per rank s/c",
+            rows.append([name, f"{cfg.n_heads} / {cfg.n_kv_heads}", cp, f"{ring / 1e9:.2f}", f"{gathered / 1e9:.2f}",
+                         ulysses, less, seq_len // cp, *(f"{h:,.0f}" for h in hide)])  # fmt: skip
+    headers = ["model", "a / n_kv", "c", "ring GB sent", "all-gather GB sent", "Ulysses GB sent",
+               "ring or Ulysses sends less", "tokens per rank s/c",
                *(f"ring hides its transfers from s/c = ({link})" for link in links)]  # fmt: skip
     return rows, headers

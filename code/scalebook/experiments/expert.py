@@ -14,6 +14,7 @@ Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Ex
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -158,11 +159,16 @@ def gpt_expert_parallel_errors(ep: int, *, seed: int = 0) -> dict:
 
 def train_load_balance(
     balancing: str, *, steps: int = 100, batch_size: int = 8, seq_len: int = 64, lr: float = 1e-3, seed: int = 0,
-    n_experts: int = 8, top_k: int = 2, capacity_factor: float = 1.25,
+    n_experts: int = 8, top_k: int = 2, capacity_factor: float = 1.25, aux_loss_weight: float = 0.01,
+    bias_update: float = 0.005,
 ) -> dict[str, list[float]]:  # fmt: skip
     """Train a small byte-level :class:`scalebook.model.GPT` with MoE MLPs (2 layers, width 64, ``n_experts``
     experts, top ``top_k``, with capacity, so that tokens can drop) on the default corpus, with ``balancing``
-    in ``BALANCING``: none, the auxiliary loss added to the language-model loss, or the selection-bias update.
+    in ``BALANCING``: none, the auxiliary loss added to the language-model loss with weight
+    ``aux_loss_weight`` (Switch Transformer's 0.01), or the selection-bias update of ``bias_update`` per step.
+    DeepSeek-V3 moves its bias by 0.001 a step over more than a hundred thousand steps; a run of a few hundred
+    steps needs a faster rate for the bias to catch up with a router that collapses within tens of steps,
+    and 0.005 (a bias moves at most 0.5 in 100 steps, against softmax probabilities of about 1/8) is the default.
 
     Returns per step the language-model loss, the load imbalance (max over mean assignments per expert,
     averaged over layers, before dropping) and the share of dropped assignments.
@@ -177,7 +183,11 @@ def train_load_balance(
         config = GPTConfig(vocab_size=256, block_size=seq_len, n_layer=2, n_head=4, n_embd=64, n_experts=n_experts,
                            expert_top_k=top_k, expert_capacity_factor=capacity_factor)  # fmt: skip
         torch.manual_seed(seed)
-        return _train_load_balance(GPT(config), balancing, steps, batch_size, seq_len, lr, seed)
+        model = GPT(config)
+        for layer in model.modules():
+            if isinstance(layer, MoE):
+                layer.config = replace(layer.config, aux_loss_weight=aux_loss_weight, bias_update=bias_update)
+        return _train_load_balance(model, balancing, steps, batch_size, seq_len, lr, seed)
     finally:
         torch.set_num_threads(threads)
 
