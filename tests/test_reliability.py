@@ -14,9 +14,11 @@ Most runs are in this process through the CLI's own `main` and `run`, on the tin
 
 import argparse
 import math
+import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -436,6 +438,40 @@ def test_keep_last_deletes_only_older_checkpoints(tmp_path):
     assert checkpoint.prune(ckpt, 0) == []  # 0: keep them all
     with pytest.raises(ValueError, match="--keep-last must be >= 0"):
         preflight(args_of(SMALL, keep_last=-1), 1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names an fd's file through /proc (Linux)")
+def test_a_checkpoint_file_and_latest_are_renamed_then_their_directory_fsynced(tmp_path, monkeypatch):
+    # rename(2) changes the directory, not the file: only an fsync of the directory after it makes the new name
+    # survive a power loss (review C28). Each fsync and rename is recorded with the path it concerns, in order.
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def recorded_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recorded_replace(source, target):
+        replace(source, target)
+        events.append(("rename", os.path.realpath(target)))
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+
+    def published(write, path: Path) -> None:
+        """``write()`` fsyncs its temporary file's data, renames it to ``path``, then fsyncs ``path``'s directory."""
+        events.clear()
+        write()
+        assert [kind for kind, _ in events] == ["fsync", "rename", "fsync"], events
+        assert Path(events[0][1]).name.startswith(f".{path.name}.tmp"), events
+        assert events[1:] == [("rename", str(path)), ("fsync", str(path.parent))], events
+
+    root = Path(os.path.realpath(tmp_path))
+    published(lambda: checkpoint.atomic_save({"weight": torch.ones(3)}, root / "consolidated.pt"),
+              root / "consolidated.pt")  # fmt: skip
+    checkpoint.step_dir(root, 2).mkdir()
+    published(lambda: checkpoint.write_manifest(root, 2), checkpoint.step_dir(root, 2) / checkpoint.MANIFEST)
+    published(lambda: checkpoint.mark_complete(root, 2), root / "latest")
+    assert torch.load(root / "consolidated.pt")["weight"].sum() == 3 and checkpoint.latest_step(root) == 2
 
 
 def test_steps_at_or_below_the_checkpoint_say_so(saved, capsys):

@@ -18,7 +18,8 @@ background thread on a process group of its own, while training goes on.
 
 Publishing. Once DCP's save has returned on rank 0 (its coordinator writes ``.metadata`` after every rank's
 files are written), rank 0 writes the manifest, then moves ``latest``, each by an atomic rename (POSIX
-``rename(2)``), so a job killed while saving leaves the previous checkpoint intact and ``latest`` pointing at it.
+``rename(2)``) followed by an fsync of the directory, so a job killed while saving leaves the previous checkpoint
+intact and ``latest`` pointing at it, and a published checkpoint survives a power loss.
 Reading checks the files against the manifest first, so flipped bytes, a truncated or an empty file are named
 (:class:`CheckpointError`) instead of resuming from garbage; :func:`newest_intact` walks back from ``latest`` to
 the newest checkpoint whose files all check out, and ``keep_last`` retention deletes only older checkpoints.
@@ -29,7 +30,7 @@ with ``--hf``, as a Hugging Face ``GPT2LMHeadModel`` directory.
 
 Source: PyTorch documentation, "Distributed Checkpoint - torch.distributed.checkpoint" (``save``, ``load``,
 ``async_save``); torchtitan ``torchtitan/components/checkpoint.py`` (async save on a gloo group, retention);
-Young 1974, "A first order approximation to the optimum checkpoint interval"; POSIX ``rename(2)``.
+Young 1974, "A first order approximation to the optimum checkpoint interval"; POSIX ``rename(2)``, ``fsync(2)``.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
 
 def atomic_save(obj, path: str | os.PathLike, save=torch.save) -> None:
     """``save(obj, file)`` (``torch.save`` by default) to a temporary file next to ``path``, flush it to disk,
-    then rename it into place."""
+    rename it into place, then flush the directory. The rename is atomic against a crash of the process, but it
+    is a change to the directory, not to the file: until the directory itself is fsynced, a power loss or a
+    crash of the node can undo it, and the old file (or none) is back."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -74,8 +77,18 @@ def atomic_save(obj, path: str | os.PathLike, save=torch.save) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_directory(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _fsync_directory(folder: Path) -> None:
+    """Make the entries of ``folder`` (a rename into it) durable: fsync(2) on the directory itself."""
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
