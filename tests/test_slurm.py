@@ -140,7 +140,7 @@ def readme_first_sbatch_command() -> list[str]:
 def test_the_readmes_sbatch_command_runs_unchanged_on_a_four_gpu_node(cluster, tmp_path):
     # The issue: the CLI's fixed --global-batch 8 with --micro-batch 4 fitted at most 2 ranks, so the README's first
     # command failed on any 4-GPU node. Now nothing is overridden: no NPROC_PER_NODE, no TRAIN_ARGS; only the
-    # virtual environment, as the README's step 1 says.
+    # virtual environment, as the README's checklist (step 2, Install) says.
     command = readme_first_sbatch_command()
     assert command == ["sbatch", "slurm/train_single_node.sbatch"]
     code, job_id = cluster.submit_and_wait(ROOT / command[1], env={"SCALEBOOK_VENV": VENV}, cwd=tmp_path, timeout=120)

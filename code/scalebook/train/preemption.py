@@ -12,8 +12,10 @@ where doing real work could deadlock or tear a file. After each step every rank 
 one all-reduce (MAX) of the signal number it received (0 for none): the signal may reach one rank, or reach
 the ranks during different steps, yet every rank gets the same answer at the same step, so all of them take
 the same path (save, then leave) and none waits forever in a collective its peers skipped. The all-reduce of
-one int64 per step costs microseconds (one latency, a few bytes) beside the step's gradient all-reduce; checking
-every k steps would save little and delay the stop by up to k - 1 steps of the grace period.
+one int64 per step sends a few bytes (one latency) beside the step's gradient all-reduce. On GPUs reading its
+result (``.item()``) also blocks the host until the collective has run, so the CPU cannot queue the next step's
+kernels while this one finishes; production loops check every k steps, or start the all-reduce asynchronously
+and read it a step later. This loop checks every step: the stop comes at once, within the grace period.
 
 The loop then saves (``python -m scalebook.train`` calls its usual checkpoint function, and waits for it) and
 raises :class:`Stopped`, a ``SystemExit`` with code ``EXIT_STOPPED``: the process ends with that status
