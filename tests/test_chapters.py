@@ -352,3 +352,107 @@ def test_the_site_lists_the_works_each_page_cites_as_footnotes(book_html):
         counts[path.stem] = (len(cited), html.count('<aside class="footnote brackets"'))
     assert all(cited > 0 for cited, _ in counts.values()), counts
     assert {name: shown for name, (_, shown) in counts.items()} == {name: n for name, (n, _) in counts.items()}
+
+
+# ----- prose that characterises a number must be computed or checked --------------------------------------------
+# A sentence that puts a characterising word ("measured", "faster", "the slowest", "about", "plus a little") next to
+# a number with a unit of time, rate or ratio states a result. That number must come from an executed cell (an
+# {eval} of a glued value, which the number check above ties to the output) or appear in an `assert` of the same
+# notebook, so that the sentence cannot outlive a change of what the cells compute. Published numbers carry their
+# citation in the same sentence and are exempt; so are the inputs of an exercise's question. What remains is listed
+# in UNCHECKED_NUMBERS with the reason it may stay literal (a definition, a hardware datasheet value named earlier,
+# a hypothetical): each entry is a decision a reader of this file can review.
+QUANTITY = re.compile(
+    r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)\s?(%|×|times\b|x\b|s\b|ms\b|µs\b|min\b|minutes?\b|seconds?\b|tok/s|tokens/s"
+    r"|[KMGT]i?B/s|[GTP]FLOP/s)"
+)
+CHARACTERISING = re.compile(
+    r"\b(measured|took|takes|faster|slower|slowest|fastest|above|below|more than|less than|plus a little|about"
+    r"|on this machine|this run|as promised)\b",
+    re.I,
+)
+CITED = re.compile(r"\[cited\]|\[[^\]]*\b(19|20)\d\d[a-z]?\]")  # a role, or a citation written as a link
+SENTENCE = re.compile(r"(?<=[.!?:])\s+(?=[A-Z(*])|\n\s*\n|\n\s*[-*] |\n\|")
+
+
+def _plain_prose(text: str) -> str:
+    """Markdown without what is not literal prose: {eval} results, code, math, link targets, the question of a
+    multiple-choice check or an exercise (its numbers are inputs), the opening box's time to run."""
+    text = re.sub(r"\{eval\}`[^`]*`", "(computed)", text)
+    text = re.sub(r"```.*?```", " ", text, flags=re.S)
+    text = re.sub(r"\{(foot)?cite(:\w+)?\}`[^`]*`", "[cited]", text)
+    text = re.sub(r"`[^`]*`", "(code)", text)
+    text = re.sub(r"\$\$.*?\$\$", " ", text, flags=re.S)
+    text = re.sub(r"\$[^$\n]*\$", "(math)", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    return re.sub(r"\*\*Time to run\*\*:[^\n]*", " ", text)
+
+
+def unchecked_numbers(cells: list[dict]) -> list[tuple[str, str]]:
+    """(quantity, sentence) for each characterised number in prose that is neither computed nor asserted."""
+    asserted = " ".join(line.split("#")[0] for c in cells if c["cell_type"] == "code"
+                        for line in "".join(c["source"]).splitlines() if "assert" in line).replace(",", "")  # fmt: skip
+    found = []
+    for cell in cells:
+        if cell["cell_type"] != "markdown":
+            continue
+        text = _plain_prose("".join(cell["source"]))
+        # An exercise's or a check's question states its inputs; its solution or answer (a dropdown) states results.
+        if re.search(r"^\d+\.\s+\*\*|\([a-d]\)", text, re.M):
+            text = "\n\n".join(m.group(0) for m in DROPDOWN.finditer(text))
+        for sentence in SENTENCE.split(text):
+            if CITED.search(sentence) or not CHARACTERISING.search(sentence):
+                continue
+            for match in QUANTITY.finditer(sentence):
+                if not re.search(rf"(?<![\d.]){re.escape(match.group(1).replace(',', ''))}(?![\d])", asserted):
+                    found.append((match.group(0), " ".join(sentence.split())[:200]))
+    return found
+
+
+# Literal numbers that stay literal, by notebook: the quantity as the check prints it, and why it needs no glue.
+UNCHECKED_NUMBERS: dict[str, dict[str, str]] = {
+    "08_compute_time_and_gpus": {
+        "160 TFLOP/s": "the rate Chapter 1's estimate assumed, named as such",
+        "40 %": "the MFU the table above assumes (an input, stated with it)",
+        "140 TFLOP/s": "Narayanan et al.'s published rate, the exercise's input",
+        "312 TFLOP/s": "the A100's dense bf16 datasheet peak (configs.get_hardware)",
+    },
+    "09_collective_communication": {
+        "12 times": "NVLink 3's 300 GB/s against a 200 Gb/s port's 25 GB/s, two datasheet values",
+        "450 GB/s": "NVLink 4's datasheet bandwidth per direction",
+        "50 GB/s": "400 Gb/s written in bytes",
+        "300 GB/s": "NVLink 3's datasheet bandwidth per direction",
+    },
+    "11_zero_and_fsdp": {
+        "50 %": "'ZeRO-3 sends 50 % more than DDP': 3 against 2 units of eq-zero-comm, the equation above",
+        "50 GB/s": "400 Gb/s written in bytes",
+    },
+    "16_when_training_goes_wrong": {
+        "1,023 x": "the exercise's own inputs multiplied (1,024 ranks, 24 bytes each)",
+        "4 times": "the sum over 4 ranks is 4 times their mean, by definition",
+        "80 ms": "the question's own number, restated in its answer",
+    },
+}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_numbers_that_prose_characterises_are_computed_or_asserted(path):
+    allowed = UNCHECKED_NUMBERS.get(path.stem, {})
+    found = [(q, s) for q, s in unchecked_numbers(json.loads(path.read_text(encoding="utf8"))["cells"]) if q not in allowed]
+    assert found == [], "glue these numbers ({eval}) or assert them in a cell:\n" + "\n".join(f"{q}: {s}" for q, s in found)
+
+
+def test_the_characterised_number_check_catches_a_stale_timing_and_accepts_glued_asserted_and_cited_ones():
+    def cells(prose, code=""):
+        return [{"cell_type": "code", "source": code, "outputs": []}, {"cell_type": "markdown", "source": prose}]
+
+    stale = "The run took about 82.6 s on this machine. Each measured bubble is the formula's plus a little: 0.148."
+    assert [q for q, _ in unchecked_numbers(cells(stale))] == ["82.6 s"]
+    assert unchecked_numbers(cells("The run took about {eval}`f'{glued.t:.0f}'` s.")) == []
+    assert unchecked_numbers(cells(stale, code="assert round(seconds, 1) == 82.6")) == []
+    assert unchecked_numbers(cells(stale, code="assert 80 < seconds < 85  # 82.6 s")) != []  # a comment checks nothing
+    assert unchecked_numbers(cells("It reaches about 75 % on an H100 {footcite}`shah2024flashattention3`.")) == []
+    assert unchecked_numbers(cells("It reaches about 75 % on an H100 ([Shah et al., 2024](../book/x.md)).")) == []
+    question = "1. **Bigger.** At 50 % MFU, how long does it take?\n\n:::{admonition} Solution\n:class: dropdown\n" \
+               "About 26 s per step.\n:::\n"  # fmt: skip
+    assert [q for q, _ in unchecked_numbers(cells(question))] == ["26 s"]  # the question's 50 % is an input
