@@ -438,8 +438,11 @@ UNCHECKED_NUMBERS: dict[str, dict[str, str]] = {
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_numbers_that_prose_characterises_are_computed_or_asserted(path):
     allowed = UNCHECKED_NUMBERS.get(path.stem, {})
-    found = [(q, s) for q, s in unchecked_numbers(json.loads(path.read_text(encoding="utf8"))["cells"]) if q not in allowed]
-    assert found == [], "glue these numbers ({eval}) or assert them in a cell:\n" + "\n".join(f"{q}: {s}" for q, s in found)
+    cells = json.loads(path.read_text(encoding="utf8"))["cells"]
+    found = [(quantity, sentence) for quantity, sentence in unchecked_numbers(cells) if quantity not in allowed]
+    assert found == [], "glue these numbers ({eval}) or assert them in a cell:\n" + "\n".join(
+        f"{quantity}: {sentence}" for quantity, sentence in found
+    )
 
 
 def test_the_characterised_number_check_catches_a_stale_timing_and_accepts_glued_asserted_and_cited_ones():

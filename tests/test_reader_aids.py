@@ -599,16 +599,6 @@ def labels_shown_as_text(cells: list[dict], labels: set[str]) -> list[str]:
     return found
 
 
-# Generated tables of other chapters that still name a label (issue 35, review A9 found Chapter 5's; these were
-# found by this test and belong to the chapters' owners): remove an entry when its table names the formula.
-LABELS_SHOWN_NOT_YET_FIXED = {
-    ("07_where_the_memory_goes.ipynb", "eq-layer-activations"),
-    ("08_compute_time_and_gpus.ipynb", "eq-flops-attn"),
-    ("10_data_parallelism.ipynb", "eq-dp-bytes"),
-    ("11_zero_and_fsdp.ipynb", "eq-zero-comm"),
-}
-
-
 def test_no_equation_label_is_shown_as_text():
     notebooks = sorted(REPO.glob("notebooks/*.ipynb"))
     cells = {p.name: json.loads(p.read_text(encoding="utf8"))["cells"] for p in notebooks}
@@ -618,7 +608,6 @@ def test_no_equation_label_is_shown_as_text():
         f"{name} {hit}"
         for name, nb_cells in cells.items()
         for hit in labels_shown_as_text(nb_cells, labels)
-        if (name, hit.split(": ")[1]) not in LABELS_SHOWN_NOT_YET_FIXED
     ]
     assert not offenders, (
         "equation labels shown as text (write {eq}`label` in prose; name the formula or its number in a generated "
