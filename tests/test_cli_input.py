@@ -9,6 +9,7 @@ subprocesses where it is the process's (signals, exit codes, torchrun), each wai
 started killed afterwards (:func:`scalebook.comm.processes.kill_marked`)."""
 
 import argparse
+import logging
 import os
 import select
 import signal
@@ -379,3 +380,45 @@ def test_torchrun_as_the_sbatch_scripts_run_it_passes_a_stop_on_and_ends_without
     assert saved is not None and checkpoint.newest_intact(ckpt) == (saved, []), err
     said = [line for line in err.splitlines() if line.strip()]
     assert said == [f"stopping at step {saved} on SIGUSR1: checkpoint saved in {ckpt}; continue with --resume"], err
+
+
+def _warning(name: str, msg: str, *args) -> logging.LogRecord:
+    return logging.LogRecord(name, logging.WARNING, __file__, 0, msg, args, None)
+
+
+def test_closing_warnings_before_torchruns_own_stop_signal_are_dropped_and_kept_when_no_stop_follows():
+    # CI once saw "Sending process N closing signal SIGTERM" in a requeued job's log: SLURM signalled the ranks
+    # before torchrun, the ranks saved and ended, and torchrun closed the rest before its own signal arrived, so the
+    # filter, which waited for the agent's "Received ... death signal", let them through.
+    from scalebook.train import torchrun
+
+    seen = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    handler = Collect()
+    logger.addHandler(handler)
+    try:
+        for stop_follows in (True, False):
+            seen.clear()
+            quiet = torchrun._StopWarnings()
+            logger.addFilter(quiet)
+            try:
+                for pid in (101, 102):  # the ranks ended first: torchrun closes them before any stop signal
+                    logger.warning("Sending process %s closing signal %s", pid, "SIGTERM")
+                logger.warning("a warning of another kind")
+                if stop_follows:
+                    logging.getLogger(torchrun._AGENT).warning("Received %s death signal, shutting down workers", 15)
+                else:
+                    quiet.release()  # torchrun ended otherwise: main() logs them after all
+            finally:
+                logger.removeFilter(quiet)
+            closing = [m for m in seen if "closing signal" in m]
+            assert "a warning of another kind" in seen
+            assert closing == ([] if stop_follows else ["Sending process 101 closing signal SIGTERM",
+                                                         "Sending process 102 closing signal SIGTERM"])  # fmt: skip
+    finally:
+        logger.removeHandler(handler)

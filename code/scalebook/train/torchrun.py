@@ -34,21 +34,39 @@ _AGENT, _PROCESSES = "torch.distributed.elastic.agent.server.api", "torch.distri
 
 
 class _StopWarnings(logging.Filter):
-    """Drops the agent's warning that it received a stop signal and, after it, the per-rank warnings that it passed
-    the signal on; notes (and lets through) the warning that a rank did not stop in time and was killed. A rank
-    closed for another reason (a failed peer) is still reported."""
+    """Drops the agent's warning that it received a stop signal and the per-rank warnings that it passed the signal
+    on; notes (and lets through) the warning that a rank did not stop in time and was killed.
+
+    The ranks may stop before torchrun does (SLURM signals every process of a job step, in no set order): torchrun
+    then sees a rank end and closes the others before its own signal arrives. Those closing warnings are held back
+    and dropped if a stop signal follows; if torchrun ends for another reason (a failed rank), :meth:`release`
+    logs them after all, so a rank closed because a peer failed is still reported."""
 
     def __init__(self):
         super().__init__()
-        self.stopping = self.killed = False
+        self.stopping = self.killed = self.releasing = False
+        self.held: list[logging.LogRecord] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
+        if self.releasing:
+            return True
         if message.startswith("Received %s death signal"):
             self.stopping = True
             return False
-        self.killed |= self.stopping and message.startswith("Unable to shutdown process")
-        return not (self.stopping and message.startswith("Sending process %s closing signal"))
+        self.killed |= message.startswith("Unable to shutdown process")
+        if message.startswith("Sending process %s closing signal"):
+            if not self.stopping:
+                self.held.append(record)
+            return False
+        return True
+
+    def release(self) -> None:
+        """Log the held closing warnings: torchrun ended without a stop signal, so they were not part of one."""
+        self.releasing = True
+        for record in self.held:
+            logging.getLogger(record.name).handle(record)
+        self.held.clear()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         torchrun_main(argv)
     except SignalException as stop:
         return 128 + int(stop.sigval) if quiet.killed else 0
+    except BaseException:
+        quiet.release()
+        raise
+    quiet.release()
     return 0
 
 
