@@ -137,10 +137,8 @@ def init_from_env(timeout: float = 600.0) -> DistEnv:
         nccl_rules.record_until_destroy()
     wait = timedelta(seconds=timeout)
     if env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        store, _, _ = next(dist.rendezvous("env://", timeout=wait))  # a client of the agent's store
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"scalebook/attempt{attempt}", store)
-        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=wait)
+        dist.init_process_group(backend, store=_agent_store(wait), rank=env.rank, world_size=env.world_size,
+                                timeout=wait)  # fmt: skip
     elif env.launcher == "torchrun":
         dist.init_process_group(backend, timeout=wait)  # init_method="env://"
     else:
@@ -150,6 +148,14 @@ def init_from_env(timeout: float = 600.0) -> DistEnv:
         dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{port}", rank=env.rank,
                                 world_size=env.world_size, timeout=wait)  # fmt: skip
     return env
+
+
+def _agent_store(timeout: timedelta) -> dist.Store:
+    """A client of torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True), its keys prefixed by the restart
+    attempt, so that a restarted rank never reads what its dead predecessor wrote (see :func:`init_from_env`)."""
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"scalebook/attempt{attempt}", store)
 
 
 def rank0_says(text: str, timeout: float = 30.0) -> None:
@@ -166,13 +172,12 @@ def rank0_says(text: str, timeout: float = 30.0) -> None:
         sys.stderr.flush()
     if env.launcher != "torchrun" or env.world_size == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return
-    key = f"scalebook/rank0_said/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     try:
-        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout))
+        store = _agent_store(timedelta(seconds=timeout))
         if env.rank == 0:
-            store.set(key, "1")
+            store.set("rank0_said", "1")
         else:
-            store.wait([key], timedelta(seconds=timeout))
+            store.wait(["rank0_said"], timedelta(seconds=timeout))
     except Exception:  # noqa: BLE001 - no store, or rank 0 never said it: the error stands, exit as planned
         pass
 

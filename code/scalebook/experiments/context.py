@@ -200,9 +200,10 @@ def ring_variants(
                                              per_rank=every_rank)  # fmt: skip
     if timed_seq_len:
         timed = [torch.randn(batch, heads, timed_seq_len // cp, timed_head_dim or head_dim) for _ in range(4)]
-        for variant, seconds in _time_ring(timed, variants, rounds=rounds).items():
-            results[variant]["seconds"] = seconds
-            results[variant]["load"] = os.getloadavg()
+        timings = _time_ring(timed, variants, rounds=rounds)
+        load = os.getloadavg()
+        for variant, seconds in timings.items():
+            results[variant].update(seconds=seconds, load=load)
     return results
 
 
