@@ -1,12 +1,13 @@
 """Positional encodings: sinusoidal against its closed form and the classic implementation, RoPE against
-Hugging Face's Llama and against its defining properties (relative positions, norms), learned positions
-against the accounting."""
+Hugging Face's Llama and against its defining properties (relative positions, norms), ALiBi against Hugging
+Face's BLOOM, learned positions against the accounting."""
 
 import math
 
 import pytest
 import torch
 from transformers import LlamaConfig
+from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from scalebook import configs
@@ -14,6 +15,8 @@ from scalebook.accounting import param_breakdown
 from scalebook.model import GPT, GPTConfig
 from scalebook.positions import (
     LearnedPositions,
+    alibi_bias,
+    alibi_slopes,
     apply_rope,
     interleaved_to_half_permutation,
     rope_cache,
@@ -152,6 +155,44 @@ def test_rotate_half_equals_interleaved_rope_after_permutation():
     assert (apply_rope(x, cos, sin) - reference).abs().max() > 0.5
 
 
+def bloom_alibi(n_heads, seq_len):
+    """Hugging Face BLOOM's ALiBi for one unpadded sequence, (n_heads, seq_len): slope_k * j for key j. It
+    leaves out the -slope_k * i of query i, a constant per row that softmax ignores."""
+    return build_alibi_tensor(torch.ones(1, seq_len, dtype=torch.long), n_heads, torch.float32)[:, 0, :]
+
+
+# 8 heads: a power of two; 6: 4 + 2 heads filled in from the 8-head sequence (BLOOM's rule). Both have slopes
+# that are powers of two (2^-1 .. 2^-8), so every product below is exact in float32 and equality is exact.
+@pytest.mark.parametrize("n_heads", [8, 6])
+def test_alibi_bias_equals_hf_bloom_exactly(n_heads):
+    seq_len = 40
+    hf = bloom_alibi(n_heads, seq_len)
+    slopes = hf[:, 1]  # key 1: slope_k * 1
+    assert torch.equal(alibi_slopes(n_heads), slopes)
+    i = torch.arange(seq_len)[:, None]
+    # HF's slope_k * j, shifted by slope_k * i per query row, is the causal bias -slope_k * (i - j).
+    expected = (hf[:, None, :] - slopes[:, None, None] * i).masked_fill(i < torch.arange(seq_len), float("-inf"))
+    assert torch.equal(alibi_bias(n_heads, seq_len), expected)
+
+
+# 12 = 8 + 4 (interleaved from the 16-head sequence) and BLOOM-176B's 112 = 64 + 48. HF raises a float32 base
+# 2^(-8/n') to the power k <= 64, carrying the base's rounding k times (up to 64 * 2^-24 ~ 4e-6 relative);
+# ours rounds each slope once from float64. Measured: 5e-7 at 112 heads.
+@pytest.mark.parametrize("n_heads", [12, 112])
+def test_alibi_slopes_match_hf_bloom_for_other_head_counts(n_heads):
+    torch.testing.assert_close(alibi_slopes(n_heads), bloom_alibi(n_heads, 2)[:, 1], rtol=5e-6, atol=0)
+
+
+def test_alibi_attention_equals_hf_bloom_attention():
+    # What the bias is for: softmax(scores + bias). HF adds slope * j and masks j > i; softmax is blind to
+    # the per-row constant that separates the two biases. Probabilities <= 1 in float32: 1e-6 absolute.
+    n_heads, seq_len = 12, 64
+    scores = torch.randn(n_heads, seq_len, seq_len, generator=torch.Generator().manual_seed(5))
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    hf = (scores + bloom_alibi(n_heads, seq_len)[:, None, :]).masked_fill(~causal, float("-inf")).softmax(-1)
+    torch.testing.assert_close((scores + alibi_bias(n_heads, seq_len)).softmax(-1), hf, atol=1e-6, rtol=0)
+
+
 def test_learned_positions_cost_max_seq_len_times_d_model():
     gpt2 = configs.get_model("gpt2")
     table = LearnedPositions(gpt2.max_seq_len, gpt2.d_model)
@@ -175,6 +216,8 @@ def test_learned_positions_cost_max_seq_len_times_d_model():
         lambda: LearnedPositions(0, 8),
         lambda: LearnedPositions(16, 8)(17),
         lambda: interleaved_to_half_permutation(5),
+        lambda: alibi_slopes(0),
+        lambda: alibi_bias(8, 0),
     ],
     ids=[
         "odd head_dim",
@@ -187,6 +230,8 @@ def test_learned_positions_cost_max_seq_len_times_d_model():
         "empty table",
         "past the table",
         "odd permutation",
+        "no heads",
+        "empty bias",
     ],
 )
 def test_bad_input_raises_value_error(call):

@@ -1,7 +1,7 @@
-"""Three ways to tell a Transformer where each token is: learned, sinusoidal and rotary positions.
+"""Four ways to tell a Transformer where each token is: learned, sinusoidal, rotary and ALiBi positions.
 
 Attention compares every token with every other one and is blind to their order, so position has to
-be injected. Three schemes, in historical order:
+be injected. Four schemes, in historical order:
 
 - **Learned absolute** (GPT-2, BERT): a trainable table of ``max_seq_len x d_model`` vectors, one per
   position, added to the token embeddings. ``scalebook.model.GPT`` uses one (its ``wpe``).
@@ -14,6 +14,9 @@ be injected. Three schemes, in historical order:
   instead each query and key vector is rotated inside attention, pair of dimensions j by the angle
   ``pos * theta_j`` with ``theta_j = base^(-2j/d)``. Rotations preserve norms, and the dot product
   of a query rotated to position m with a key rotated to position n depends only on m - n.
+- **ALiBi** (Press et al. 2022; BLOOM, MPT): nothing is added or rotated; each head adds a fixed
+  penalty ``-m_k * (i - j)`` to the score of query i for key j <= i, linear in the distance, with
+  a slope m_k per head from a geometric sequence (:func:`alibi_slopes`, :func:`alibi_bias`).
 
 Layout convention for RoPE: **rotate-half**, as in Hugging Face's Llama and GPT-NeoX. Dimension j is
 paired with dimension j + d/2 (not with j + 1), and ``cos``/``sin`` hold the d/2 angles twice,
@@ -27,8 +30,10 @@ position is exact only up to 256, beyond which neighbouring positions would shar
 is kept when asked for, to check the algebra without rounding.)
 
 Source: Vaswani et al. 2017, "Attention Is All You Need", Sec. 3.5; Su et al. 2021, "RoFormer:
-Enhanced Transformer with Rotary Position Embedding", Sec. 3.4; Hugging Face transformers,
-``models/llama/modeling_llama.py`` (``LlamaRotaryEmbedding``, ``rotate_half``, ``apply_rotary_pos_emb``).
+Enhanced Transformer with Rotary Position Embedding", Sec. 3.4; Press, Smith and Lewis 2022, "Train Short,
+Test Long: Attention with Linear Biases Enables Input Length Extrapolation", Sec. 3; Hugging Face
+transformers, ``models/llama/modeling_llama.py`` (``LlamaRotaryEmbedding``, ``rotate_half``,
+``apply_rotary_pos_emb``) and ``models/bloom/modeling_bloom.py`` (``build_alibi_tensor``).
 """
 
 from __future__ import annotations
@@ -164,3 +169,35 @@ def interleaved_to_half_permutation(head_dim: int) -> torch.Tensor:
     """
     _check_shape(1, head_dim, DEFAULT_BASE, "head_dim")
     return torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """ALiBi's per-head slopes m_1 .. m_n (float32): ``m_k = 2^(-8k/n)`` when n is a power of two.
+
+    For n = 8: 1/2, 1/4, ..., 1/256. For other head counts (BLOOM's 112, for example) Press et al. take
+    the slopes of the largest power of two below, n' (``2^(-8k/n')``), and fill the other n - n' heads
+    with every second slope of the sequence for 2 n' heads, the odd ones ``2^(-8(2j-1)/(2n'))``: the
+    extra heads fall between the first ones instead of all being steep or all flat.
+    """
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
+        raise ValueError(f"n_heads must be a positive integer, got {n_heads!r}")
+    n_pow2 = 1 << (n_heads.bit_length() - 1)  # the largest power of two <= n_heads
+    slopes = [2.0 ** (-8.0 * k / n_pow2) for k in range(1, n_pow2 + 1)]
+    slopes += [2.0 ** (-8.0 * k / (2 * n_pow2)) for k in range(1, 2 * (n_heads - n_pow2), 2)]
+    # The exponents are exact in float64, so each slope is rounded once, to the nearest float32.
+    return torch.tensor(slopes, dtype=torch.float64).float()
+
+
+def alibi_bias(n_heads: int, seq_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The (n_heads, seq_len, seq_len) causal ALiBi bias to add to the attention scores q.k / sqrt(d_h).
+
+    Entry [k, i, j] is ``-m_k * (i - j)`` for a key j at or before the query i, and ``-inf`` for a key
+    after it (the causal mask, folded in), so ``softmax(scores + bias)`` is causal ALiBi attention; it
+    can be passed as ``attn_mask`` to ``torch.nn.functional.scaled_dot_product_attention``.
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    positions = torch.arange(seq_len)
+    distance = positions[:, None] - positions[None, :]  # i - j, negative above the diagonal
+    bias = -alibi_slopes(n_heads)[:, None, None] * distance.float()
+    return bias.masked_fill(distance < 0, float("-inf")).to(dtype)
