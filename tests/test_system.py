@@ -227,6 +227,38 @@ def test_selective_recomputation_drops_the_norm_outputs_and_the_swiglu_product()
     assert _llama_layer("full") == pytest.approx(2 * 8192 * h, rel=1e-9)  # only the layer's (SP-sharded) input
 
 
+# Korthikanti et al. 2022, Table 2, per layer in units of s b h bytes for GPT-3 175B (a = 96 heads, s = 2,048,
+# h = 12,288, so 5 a s / h = 80), t = 8, less dropout's bytes (two 1-byte s b h masks, and per score a 1-byte mask
+# and a 2-byte output: 3 a s / h = 48), because the system model trains without dropout.
+_TABLE_2_WITHOUT_DROPOUT = [
+    (dict(tp=1, sp=False, recompute="none"), 34 + 80 - 2 - 48),  # s b h (34 + 5 a s / h)
+    (dict(tp=8, sp=False, recompute="none"), 10 + 24 / 8 + 80 / 8 - 2 - 48 / 8),  # s b h (10 + 24/t + 5as/(ht))
+    (dict(tp=8, sp=True, recompute="none"), (34 + 80 - 2 - 48) / 8),  # s b h / t (34 + 5 a s / h)
+    (dict(tp=8, sp=True, recompute="full"), 2 / 8),  # the layer's input, 2 s b h, sharded by SP
+]
+
+
+@pytest.mark.parametrize(("options", "sbh"), _TABLE_2_WITHOUT_DROPOUT, ids=lambda x: str(x))
+def test_the_system_model_keeps_korthikantis_activations_for_a_gpt3_layer(options, sbh):
+    """One memory model: the step model's per-layer activations are Korthikanti et al.'s Table 2 (through
+    scalebook.accounting) for their own GPT-3 layer with explicit attention, exact, dropout aside."""
+    from scalebook.system.memory import layer_activation_bytes
+
+    layout = TrainingLayout(pp=1, dp=1, attention="explicit", **options)
+    kept = layer_activation_bytes(configs.get_model("gpt3-175b"), layout, seq_len=2048)
+    assert kept == pytest.approx(sbh * 2048 * 12288, rel=1e-12)  # exact up to float rounding
+
+
+def test_selective_recomputation_keeps_korthikantis_34_less_what_the_step_model_also_recomputes():
+    """Table 2's SP + selective row is s b h 34 / t; without dropout 32 / t. The step model also recomputes the
+    two norm outputs (2 x 2 s b h / t) and the GELU output (2 x 4 s b h / t): 20 s b h / t remain."""
+    from scalebook.system.memory import layer_activation_bytes
+
+    layout = TrainingLayout(tp=8, pp=1, dp=1, attention="explicit", recompute="selective")
+    kept = layer_activation_bytes(configs.get_model("gpt3-175b"), layout, seq_len=2048)
+    assert kept == pytest.approx((34 - 2 - 4 - 8) / 8 * 2048 * 12288, rel=1e-12)
+
+
 def test_overlapping_the_backward_leaves_three_of_five_tensor_parallel_pairs_exposed():
     """Under SP a layer runs 5 reduce-scatter/all-gather pairs (2 forward, 2 backward, 1 re-gather); Megatron
     overlaps the column-parallel layers' backward ones (the dgrad reduce-scatter and the re-gather: 2 pairs)

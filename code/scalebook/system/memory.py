@@ -5,7 +5,9 @@
   parameter before sharding: gradients counted in bf16); routed experts are split ``ep`` ways and sharded over
   their ``dp cp / ep`` replicas. Not counted: a run that accumulates unsharded gradients in fp32 (Megatron's
   ``main_grad``; Llama 3 says it does) holds 2 more bytes per parameter of its stage, 7 GB for Llama 3's.
-- **activations**: :func:`layer_activation_bytes` for each of the stage's layers, times the micro-batches the
+- **activations**: :func:`layer_activation_bytes` (Korthikanti et al.'s count, the one in
+  :func:`scalebook.accounting.memory.activation_bytes`, less what the kernels below do not keep) for each of the
+  stage's layers, times the micro-batches the
   busiest stage holds in flight (:func:`scalebook.accounting.pipeline.peak_in_flight`, Megatron-LM's warm-up
   count; an interleaved rank holds chunks of ``layers / v`` layers each; DualPipe holds ``p + 1``). This is not
   an overcount: with ``m = p`` micro-batches Megatron's interleaved warm-up, ``2 (p - r - 1) + (v - 1) p``
@@ -50,7 +52,7 @@ documentation, "CUDA semantics: memory management" (caching allocator).
 
 from __future__ import annotations
 
-from scalebook.accounting.memory import model_state_bytes
+from scalebook.accounting.memory import activation_bytes, model_state_bytes
 from scalebook.accounting.params import layer_weights
 from scalebook.accounting.pipeline import peak_in_flight
 from scalebook.configs import ModelConfig
@@ -63,18 +65,25 @@ FRAGMENTATION = 0.05
 
 def layer_activation_bytes(cfg: ModelConfig, lay: TrainingLayout, *, seq_len: int) -> float:
     """Bytes one layer keeps for its backward on one GPU for one micro-batch (the inventory in the module
-    docstring): ``micro_batch * seq_len / cp`` tokens, 16-bit tensors, no dropout."""
-    n, h, t = lay.micro_batch * seq_len // lay.cp, cfg.d_model, lay.tp
-    a = h / t if lay.sp and t > 1 else h
+    docstring): ``micro_batch * seq_len / cp`` tokens, 16-bit tensors, no dropout.
+
+    Korthikanti et al.'s bookkeeping, :func:`scalebook.accounting.memory.activation_bytes` (one layer of it, at
+    the ``seq_len / cp`` tokens a context-parallel rank holds, without dropout), less what this model's kernels
+    do not keep: the SiLU output (a fused SwiGLU saves gate and up, and the down projection the product) and,
+    under ``selective``, the two norm outputs and the MLP activation's output. Explicit attention kept without
+    recomputation scores the local queries against all ``seq_len`` keys."""
+    n, h, t, local = lay.micro_batch * seq_len // lay.cp, cfg.d_model, lay.tp, seq_len // lay.cp
+    korthikanti = activation_bytes(cfg, seq_len=local, micro_batch=lay.micro_batch, tp=t, sp=lay.sp,
+                                   recompute=lay.recompute, attention=lay.attention, dropout=False) / cfg.n_layers
     if lay.recompute == "full":
-        return 2 * n * a
-    selective = lay.recompute == "selective"
-    explicit_kept = lay.attention == "explicit" and lay.recompute == "none"
-    kv = (h if explicit_kept else cfg.d_kv) / t
-    mlp = (2 if cfg.mlp == "swiglu" else 1) + (0 if selective else 1)
-    elements = (2 if selective else 4) * a + 2 * h / t + 2 * kv + mlp * -(-cfg.d_ff // t)
-    scores = (cfg.n_heads // t) * (seq_len // lay.cp) * seq_len * lay.micro_batch if explicit_kept else 0
-    return 2 * (n * elements + scores)
+        return korthikanti
+    a = h / t if lay.sp and t > 1 else h
+    d_ff = -(-cfg.d_ff // t)
+    dropped = (d_ff if cfg.mlp == "swiglu" else 0) + ((2 * a + d_ff) if lay.recompute == "selective" else 0)
+    keys_elsewhere = 0
+    if lay.attention == "explicit" and lay.recompute == "none":
+        keys_elsewhere = (cfg.n_heads // t) * local * (seq_len - local) * lay.micro_batch
+    return korthikanti + 2 * (keys_elsewhere - n * dropped)
 
 
 def memory_by_kind(
