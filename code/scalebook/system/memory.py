@@ -73,8 +73,19 @@ def layer_activation_bytes(cfg: ModelConfig, lay: TrainingLayout, *, seq_len: in
     under ``selective``, the two norm outputs and the MLP activation's output. Explicit attention kept without
     recomputation scores the local queries against all ``seq_len`` keys."""
     n, h, t, local = lay.micro_batch * seq_len // lay.cp, cfg.d_model, lay.tp, seq_len // lay.cp
-    korthikanti = activation_bytes(cfg, seq_len=local, micro_batch=lay.micro_batch, tp=t, sp=lay.sp,
-                                   recompute=lay.recompute, attention=lay.attention, dropout=False) / cfg.n_layers
+    korthikanti = (
+        activation_bytes(
+            cfg,
+            seq_len=local,
+            micro_batch=lay.micro_batch,
+            tp=t,
+            sp=lay.sp,
+            recompute=lay.recompute,
+            attention=lay.attention,
+            dropout=False,
+        )
+        / cfg.n_layers
+    )
     if lay.recompute == "full":
         return korthikanti
     a = h / t if lay.sp and t > 1 else h
