@@ -8,10 +8,12 @@ Each function measures on a real model what :mod:`scalebook.accounting` predicts
     count_flops                       FLOPs of one forward and backward pass, counted per operator
     peak_matmul_flops                 this machine's fp32 matrix-multiply FLOP/s, the peak for MFU on a CPU
     copy_bandwidth                    this machine's memory bandwidth, from a large copy
+    peak_allocated_bytes              the most bytes torch's CPU allocator held at once during a call
     gpt_layer_op_calls, roofline_points   the operators of a GPT layer, run and timed for the roofline
 
 ``tracemalloc`` does not see torch's allocations, and process RSS mixes in the interpreter and the
-allocator's caches, so memory is measured by walking the tensors themselves. A storage shared by
+allocator's caches, so memory is measured by walking the tensors themselves, or, for the peak within a
+call, from the allocation and free events that torch's CPU allocator reports to its profiler. A storage shared by
 several tensors (a tied embedding, a view) is counted once. Saved tensors are caught with
 ``saved_tensors_hooks``: a pack hook sees every tensor an operator keeps for its backward. Weights are
 saved too (a linear layer keeps ``W.t()``, a view of the parameter), but they are model state, not
@@ -362,6 +364,30 @@ def best_time(fn: Callable[[], object], *, repeats: int = 5) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def peak_allocated_bytes(fn: Callable[[], object]) -> int:
+    """The most bytes torch's CPU allocator held at once while ``fn()`` ran, counted from what it held when
+    ``fn`` started (a tensor freed inside ``fn`` that existed before counts negative).
+
+    Every CPU tensor's memory is allocated and freed through c10's CPU allocator, which reports each event
+    with its size to the profiler when ``profile_memory=True``; their running sum in time order is the
+    bytes in use, and its maximum the peak. Unlike RSS this leaves out the interpreter and malloc's
+    caches; unlike counting saved tensors it sees temporaries (a softmax's output until it is freed, a
+    gradient while it is built). ``torch.autograd.profiler.profile`` is used rather than
+    ``torch.profiler.profile``, whose first use imports ``torch._inductor`` (seconds).
+    """
+    from torch.autograd import profiler
+
+    with profiler.profile(profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    in_use = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        in_use += event.nbytes()
+        peak = max(peak, in_use)
+    return peak
 
 
 def peak_matmul_flops(size: int = 2048, *, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:

@@ -19,10 +19,16 @@ Encoding a pre-token applies the learned merges in the order they were learned: 
 the adjacent pair of lowest rank until no pair is in the merge table. Decoding concatenates the
 tokens' bytes and decodes UTF-8.
 
+Training frameworks then round the vocabulary up with unused ids (:func:`padded_vocab_size`): nanoGPT
+pads GPT-2's 50,257 to 50,304, a multiple of 64, so the LM head's matrix multiplies have aligned shapes;
+Megatron-LM pads to a multiple of 128 t so that each of t tensor-parallel ranks holds an equal slice of
+the vocabulary that is itself a multiple of 128.
+
 Source: Sennrich, Haddow & Birch 2016, "Neural Machine Translation of Rare Words with Subword
 Units" (BPE for text); Radford et al. 2019, "Language Models are Unsupervised Multitask Learners"
 (byte-level BPE, the pre-tokenization regex and ``bytes_to_unicode``); Hugging Face tokenizers,
-``tokenizers/src/models/bpe/trainer.rs`` (tie-breaking).
+``tokenizers/src/models/bpe/trainer.rs`` (tie-breaking); nanoGPT's ``model.py`` (``vocab_size = 50304``)
+and Megatron-LM's ``_vocab_size_with_padding`` (padding).
 """
 
 from __future__ import annotations
@@ -102,6 +108,23 @@ def _check_vocab_size(vocab_size: int) -> None:
     if not isinstance(vocab_size, int) or vocab_size < N_BYTES:
         raise ValueError(f"vocab_size must be an integer of at least {N_BYTES} (one token per byte value), "
                          f"got {vocab_size!r}")
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = 64, tp: int = 1) -> int:
+    """The smallest multiple of ``multiple * tp`` that holds ``vocab_size`` tokens: the vocabulary the
+    embedding and the LM head are built with; the extra ids are never produced by the tokenizer.
+
+    ``padded_vocab_size(50257)`` is nanoGPT's 50,304 (a multiple of 64). Megatron-LM's rule is
+    ``padded_vocab_size(V, make_vocab_size_divisible_by, tensor_model_parallel_size)`` (its default
+    ``make_vocab_size_divisible_by`` is 128): with ``tp`` ranks each rank's slice of the vocabulary,
+    ``padded / tp`` rows, is then a multiple of ``multiple``. GPT-2's vocabulary becomes 50,304 at
+    t = 1 and 51,200 at t = 8.
+    """
+    for name, value in (("vocab_size", vocab_size), ("multiple", multiple), ("tp", tp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"padded_vocab_size needs {name} to be a positive integer, got {value!r}")
+    step = multiple * tp
+    return -(-vocab_size // step) * step
 
 
 def train_merges(word_counts: dict[str, int], vocab_size: int) -> tuple[list[tuple[int, int]], list[int]]:
