@@ -1,7 +1,8 @@
 """A sharded optimizer refuses an optimizer it would update wrongly (issue 34): ZeRO-1's flat slices and ZeRO-3's
 row shards hide the whole tensor, so a class that is not known to be elementwise is refused with the reason and
-the way out, before it updates anything; a subclass of AdamW trains once declared elementwise; and the refusal
-guards a real error: Adafactor, forced through, trains otherwise than on one process.
+the way out, before it updates anything; a subclass of AdamW that keeps AdamW's update passes, one that overrides
+it trains once declared elementwise; and the refusal guards a real error: Adafactor, forced through, trains
+otherwise than on one process.
 
 One 2-rank launch (float64, gloo) runs the distributed cases; the tests only compare. (That SGD and AdamW train
 under every stage as one process does is tests/test_zero.py's.)
@@ -123,6 +124,8 @@ def test_a_class_not_known_elementwise_is_refused_saying_why_and_what_to_do(rank
         assert f"{OPTIMIZERS[name].__qualname__} may not be elementwise" in message and where in message
         assert "Use an elementwise optimizer (ASGD, Adadelta, Adagrad, Adam, AdamW" in message
         assert "the unsharded DDP" in message and declare in message
+        assert "may depend on other elements of the tensor, which this rank does not hold" in message  # why
+        assert "torch's ZeroRedundancyOptimizer (whole tensors per rank)" in message and "torch's FSDP2" in message
         # ZeRO-1 at construction; ZeRO-3 (which never sees the optimizer) at its first step, before the update
         assert outcome["at construction"] == (method == "zero1") and outcome["untouched"]
 
@@ -148,6 +151,41 @@ def test_the_refused_optimizer_forced_through_trains_otherwise_than_one_process(
 def test_zero1_refuses_at_construction_before_it_needs_a_process_group(optimizer_class):
     with pytest.raises(ValueError, match=f"{optimizer_class.__qualname__} may not be elementwise"):
         zero.ZeroRedundancyOptimizer(_toy().parameters(), optimizer_class, lr=LR)
+
+
+class DefaultsAdamW(torch.optim.AdamW):
+    """AdamW with other defaults: its update is AdamW's, so no declaration is needed."""
+
+    def __init__(self, params, lr=LR):
+        super().__init__(params, lr=lr, weight_decay=0.0)
+
+
+class StateAdamW(torch.optim.AdamW):
+    """AdamW whose per-element state is built by code of its own: the wrapper cannot read that code."""
+
+    def _init_group(self, *args, **kwargs):
+        return super()._init_group(*args, **kwargs)
+
+
+def test_a_subclass_passes_only_if_it_keeps_the_allowed_update():
+    # Built first, as a run would: torch then stores its profiler's wrapper of AdamW.step in DefaultsAdamW itself,
+    # which must not count as an override.
+    DefaultsAdamW(_toy().parameters())
+    assert "step" in vars(DefaultsAdamW)
+    check = elementwise.keeps_an_elementwise_update
+    assert check(torch.optim.AdamW) and check(torch.optim.SGD) and check(DefaultsAdamW)
+    assert not any(check(c) for c in (LoggingAdamW, StateAdamW, torch.optim.LBFGS, PerTensorNormSGD, ADAFACTOR) if c)
+    elementwise.check_elementwise(DefaultsAdamW, shards="", declare="")  # no error
+    with pytest.raises(ValueError, match="StateAdamW may not be elementwise"):
+        elementwise.check_elementwise(StateAdamW, shards="", declare="")
+
+
+def test_code_that_builds_the_optimizer_can_refuse_it_before_the_first_forward():
+    params = list(_toy().parameters())
+    elementwise.guard_row_shards(params, [])  # what fully_shard does to its shards (registers the step pre-hook)
+    elementwise.check_row_shard_optimizer(torch.optim.AdamW(params, lr=LR))  # no error
+    with pytest.raises(ValueError, match=f"{NOT_ELEMENTWISE.__qualname__} may not be elementwise.*rows"):
+        elementwise.check_row_shard_optimizer(NOT_ELEMENTWISE(params, lr=LR))
 
 
 def test_fully_shard_refuses_what_is_not_an_optimizer_class_among_the_declared():

@@ -342,7 +342,9 @@ def fully_shard(module: nn.Module, *, stage: int = 3, process_group=None, replic
     group), from whose first rank the parameters are broadcast too.
 
     The optimizer must be elementwise (:mod:`scalebook.parallel.elementwise`), as a row shard hides the whole
-    tensor: its step refuses any other class before updating, unless ``elementwise_optimizers`` lists it.
+    tensor: its first step refuses any other class before updating (code that builds the optimizer can refuse
+    it at once with :func:`~scalebook.parallel.elementwise.check_row_shard_optimizer`), unless
+    ``elementwise_optimizers`` lists it.
     """
     rank, world_size = _group_rank_and_size(process_group)
     mp_policy = mp_policy or MixedPrecisionPolicy()

@@ -89,7 +89,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     mean of the slice it steps: the all-reduce's bytes in all, where DDP's all-reduce and the all-gather send 1.5x.
 
     ``optimizer_class`` must be elementwise (:mod:`scalebook.parallel.elementwise`): a slice cut anywhere hides
-    the whole tensor, so another class is refused here unless ``elementwise=True`` declares it so. Torch's
+    the whole tensor, so a class that is neither allowed nor a subclass keeping an allowed class's update is
+    refused here, before any work, unless ``elementwise=True`` declares it so. Torch's
     ``ZeroRedundancyOptimizer`` assigns whole tensors to ranks instead, the alternative for per-tensor updates.
     """
 
