@@ -8,7 +8,7 @@ Hugging Face's ``MixtralSparseMoeBlock`` is not the reference: it renormalises t
 to one, its experts are SwiGLU MLPs without biases, and it has no capacity; the book's MoE keeps the raw softmax
 probabilities as gates (Switch/GShard), runs GELU MLPs with biases, and drops the assignments beyond each
 expert's capacity (GShard order). The loop below follows the book's definition
-(``scalebook.parallel.expert``'s docstring), not its code."""
+(the docstrings of ``scalebook.moe`` and ``scalebook.parallel.expert``), not their code."""
 
 import copy
 import math
@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from scalebook import moe as moe_module
 from scalebook.comm import launch
 from scalebook.experiments.expert import compare_expert_parallel, train_load_balance
 from scalebook.model import GPT, MLP, GPTConfig
+from scalebook.moe import MoE, MoEConfig, Routing, aux_loss, route
 from scalebook.parallel import expert
 from scalebook.parity import max_relative_difference
 
@@ -33,27 +35,35 @@ TOLERANCE = 1e-5
 TOKENS_PER_RANK = 32
 
 
+def test_the_moe_layer_is_the_models_and_expert_parallelism_re_exports_it():
+    """The layer lives with the model (``scalebook.moe``: the model never imports the parallel package); the chapters
+    still reach it as ``expert.MoE`` etc., the same objects, so ``apply_expert_parallel`` finds the model's layers."""
+    for name in ("MoEConfig", "MoE", "Expert", "Routing", "route", "aux_loss", "dispatch", "combine", "moe_mlp"):
+        assert getattr(expert, name) is getattr(moe_module, name), name
+    assert type(GPT(GPTConfig(n_experts=2, n_layer=1)).blocks[0].mlp) is expert.MoE
+
+
 def test_capacity_and_dropping_follow_gshard_order():
-    config = expert.MoEConfig(d_model=2, d_ff=4, n_experts=2, top_k=1, capacity_factor=1.0)
+    config = MoEConfig(d_model=2, d_ff=4, n_experts=2, top_k=1, capacity_factor=1.0)
     router = torch.nn.Linear(2, 2, bias=False)
     with torch.no_grad():
         router.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
     # Four tokens, three prefer expert 0: capacity ceil(1.0 * 1 * 4 / 2) = 2, so the third is dropped.
     hidden = torch.tensor([[2.0, 0.0], [3.0, 0.0], [0.0, 1.0], [4.0, 0.0]])
-    routing = expert.route(hidden, router, config)
+    routing = route(hidden, router, config)
     assert routing.capacity == 2
     assert routing.experts.squeeze(1).tolist() == [0, 0, 1, 0]
     assert routing.slots.squeeze(1).tolist() == [0, 1, 0, -1]
     assert routing.load.tolist() == [3, 1]
     # Without a capacity factor every expert has room for all four tokens: nothing drops.
-    dropless = expert.route(hidden, router, expert.MoEConfig(d_model=2, d_ff=4, n_experts=2, top_k=1,
-                                                             capacity_factor=None))  # fmt: skip
+    dropless = route(hidden, router, MoEConfig(d_model=2, d_ff=4, n_experts=2, top_k=1,
+                                               capacity_factor=None))  # fmt: skip
     assert dropless.capacity == 4 and dropless.slots.squeeze(1).tolist() == [0, 1, 0, 2]
 
 
 def test_moe_with_one_expert_and_ample_capacity_is_that_expert_times_gate_one():
-    config = expert.MoEConfig(d_model=8, d_ff=16, n_experts=1, top_k=1, capacity_factor=1.0)
-    moe = expert.MoE(config)
+    config = MoEConfig(d_model=8, d_ff=16, n_experts=1, top_k=1, capacity_factor=1.0)
+    moe = MoE(config)
     x = torch.randn(2, 5, 8)
     assert torch.allclose(moe(x), moe.experts[0](x), atol=1e-6)
 
@@ -62,7 +72,7 @@ def test_gpt_with_experts_has_moe_mlps_of_the_dense_shape():
     dense = GPT(GPTConfig(n_layer=2, n_embd=32))
     moe = GPT(GPTConfig(n_layer=2, n_embd=32, n_experts=4, expert_top_k=2))
     assert all(isinstance(block.mlp, MLP) for block in dense.blocks)
-    assert all(isinstance(block.mlp, expert.MoE) for block in moe.blocks)
+    assert all(isinstance(block.mlp, MoE) for block in moe.blocks)
     layer = moe.blocks[0].mlp
     assert len(layer.experts) == 4 and layer.config.capacity_factor is None  # dropless unless asked
     assert layer.experts[0].c_fc.weight.shape == dense.blocks[0].mlp.c_fc.weight.shape
@@ -75,29 +85,29 @@ def test_gpt_with_experts_has_moe_mlps_of_the_dense_shape():
 
 
 def test_aux_loss_is_one_for_uniform_routing():
-    routing = expert.Routing(
+    routing = Routing(
         experts=None, gates=None, slots=None, probs=torch.full((6, 3), 1 / 3), load=torch.tensor([4, 4, 4]), capacity=4
     )
-    assert abs(expert.aux_loss(routing, 3).item() - 1.0) < 1e-6
+    assert abs(aux_loss(routing, 3).item() - 1.0) < 1e-6
 
 
 def test_bias_update_raises_underloaded_and_lowers_overloaded_experts():
-    moe = expert.MoE(expert.MoEConfig(n_experts=4, bias_update=0.5))
+    moe = MoE(MoEConfig(n_experts=4, bias_update=0.5))
     moe.update_bias(torch.tensor([10, 2, 2, 2]))
     assert moe.bias.tolist() == [-0.5, 0.5, 0.5, 0.5]
 
 
-def moe_inputs(config: expert.MoEConfig, tokens: int, seed: int = 0):
+def moe_inputs(config: MoEConfig, tokens: int, seed: int = 0):
     """The full MoE's weights (built under ``seed``), the tokens and the loss weights, on every rank and here."""
     torch.manual_seed(seed)
-    moe = expert.MoE(config)
+    moe = MoE(config)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(tokens, config.d_model, generator=gen)
     weight = torch.randn(tokens, config.d_model, generator=gen)  # loss = mean over tokens of sum_d w * y
     return moe, x, weight
 
 
-def loop_moe(x: torch.Tensor, w: dict[str, torch.Tensor], config: expert.MoEConfig, groups: int) -> torch.Tensor:
+def loop_moe(x: torch.Tensor, w: dict[str, torch.Tensor], config: MoEConfig, groups: int) -> torch.Tensor:
     """The MoE by its definition, one expert at a time: per group of tokens, router logits, softmax, the top-k
     experts of each token with their probabilities as gates (not renormalised); each expert takes the tokens
     that chose it, every first choice (in token order) before any second choice, up to its capacity
@@ -124,7 +134,7 @@ def loop_moe(x: torch.Tensor, w: dict[str, torch.Tensor], config: expert.MoEConf
     return torch.cat(outputs)
 
 
-def expert_parallel_on_rank(config: expert.MoEConfig) -> dict:
+def expert_parallel_on_rank(config: MoEConfig) -> dict:
     """ExpertParallelMoE on this rank's tokens (one group per rank), the router's gradient averaged over the ranks
     as a data-parallel wrapper would, the experts' by ``reduce_expert_gradients``: this rank's output, its tokens'
     input gradients divided by ep (a token's share of the local mean is ep times its share of the global one), and
@@ -188,7 +198,7 @@ def expert_parallel_checks() -> dict:
     and dropped tokens; the MoE-GPT with ep = 2 (inside dp = world) against one process; 3 experts refused."""
     results = {
         "moe": compare_expert_parallel(tokens_per_rank=TOKENS_PER_RANK),  # all-to-all bytes, dropped share
-        "loop": expert_parallel_on_rank(expert.MoEConfig()),
+        "loop": expert_parallel_on_rank(MoEConfig()),
         "gpt": gpt_expert_parallel_step(2),
     }
     try:  # 3 experts do not deal out to 2 or 4 ranks
@@ -203,7 +213,7 @@ def launched(request):
     return request.param, launch(expert_parallel_checks, request.param, timeout=120)
 
 
-def loop_reference(config: expert.MoEConfig, ep: int) -> dict:
+def loop_reference(config: MoEConfig, ep: int) -> dict:
     """The per-expert loop on all ep * TOKENS_PER_RANK tokens in ep groups (one per rank), the same weights copied
     in, the loss the mean over all tokens: its output, input gradient and every parameter's gradient."""
     moe, x, weight = moe_inputs(config, ep * TOKENS_PER_RANK)
@@ -216,7 +226,7 @@ def loop_reference(config: expert.MoEConfig, ep: int) -> dict:
 
 def test_expert_parallel_outputs_and_gradients_equal_a_per_expert_loop(launched):
     ep, results = launched
-    config = expert.MoEConfig()
+    config = MoEConfig()
     reference = loop_reference(config, ep)
     for rank, result in enumerate(results):
         mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
@@ -267,7 +277,7 @@ def test_balancing_rates_reach_the_layers():
 
 def test_bad_moe_config_raises():
     with pytest.raises(ValueError, match="top_k"):
-        expert.MoEConfig(n_experts=2, top_k=3)
+        MoEConfig(n_experts=2, top_k=3)
     with pytest.raises(ValueError, match="expert_top_k"):
         GPTConfig(n_experts=2, expert_top_k=3)
     with pytest.raises(ValueError, match="n_experts must be an integer >= 0"):

@@ -1,4 +1,5 @@
-"""The package's layout guards: modules import alone without cycles, the runtime's files and functions stay short.
+"""The package's layout guards: imports point down the layers, modules import alone without cycles, the runtime's
+files and functions stay short.
 
 A reader should be able to open any file of ``scalebook.parallel`` or the runtime ``scalebook.train`` and read it
 in one sitting (picotron's one file per dimension), and any function on one screen. These tests hold the line:
@@ -27,13 +28,14 @@ def _module_name(path: Path) -> str:
 MODULES = sorted(_module_name(path) for path in PACKAGE.rglob("*.py"))
 
 
-def _imports(path: Path, module: str) -> set[str]:
-    """The scalebook modules that ``module`` imports, at module level or inside functions (not for type checking)."""
+def _imports(path: Path, module: str, *, type_checking: bool = False) -> set[str]:
+    """The scalebook modules that ``module`` imports, at module level or inside functions; those imported only for
+    type checking (``if TYPE_CHECKING:``) too when ``type_checking``."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found, pending = set(), [ast.parse(path.read_text(encoding="utf8"))]
     while pending:
         node = pending.pop()
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not type_checking and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             pending += node.orelse
             continue
         pending += ast.iter_child_nodes(node)
@@ -47,6 +49,47 @@ def _imports(path: Path, module: str) -> set[str]:
             # `from pkg import name` imports the submodule pkg.name when there is one.
             found |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names}
     return {name for name in found if name in MODULES and name != module}
+
+
+#: The package's layers, lowest first. A module imports modules of its own layer and of the layers below, never
+#: of one above: the model is written without knowing that it will be parallelised, parallelism without knowing
+#: the loop that drives it (torchtitan's direction: ``models/`` -> ``distributed/`` -> ``trainer.py``). A layer
+#: holds top-level modules and subpackages whole (``parallel`` is every ``scalebook.parallel.*``); each is in
+#: exactly one layer, so a new module must be placed here before it can pass.
+LAYERS = {
+    "foundations": set(
+        "configs compat citations accounting measure precision tokenizer data comm system calibration planner "
+        "cluster_accounting plots parity".split()
+    ),
+    "model": {"model", "moe", "llama", "mtp", "attention", "flash", "positions", "embeddings", "generate"},
+    "parallel": {"parallel"},
+    "runtime": {"train"},
+    # the chapters' studies and tools; the root package, which imports any submodule lazily by name
+    "applications": {"experiments", "labs", "hf_train", "cluster", "notebook", "widgets", "scalebook"},
+}
+
+
+def _unit(module: str) -> str:
+    """The top-level module or subpackage of ``scalebook`` that ``module`` belongs to (``scalebook`` for the root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_imports_point_down_the_layers():
+    """No module imports from a layer above its own (:data:`LAYERS`), counting imports inside functions and those
+    made only for type checking: an import hidden in a function still makes the lower layer need the upper one."""
+    rank = {unit: i for i, units in enumerate(LAYERS.values()) for unit in units}
+    names = list(LAYERS)
+    unplaced = sorted({_unit(m) for m in MODULES} - rank.keys())
+    assert not unplaced, f"modules in no layer (add each to one of LAYERS in {Path(__file__).name}): {unplaced}"
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        for imported in sorted(_imports(path, module, type_checking=True)):
+            if rank[_unit(imported)] > rank[_unit(module)]:
+                upward.append(f"{module} ({names[rank[_unit(module)]]}) imports {imported} "
+                              f"({names[rank[_unit(imported)]]})")  # fmt: skip
+    assert not upward, "imports up the layers (move the code down, or pass it in):\n" + "\n".join(upward)
 
 
 def test_the_import_graph_has_no_cycle():

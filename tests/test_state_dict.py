@@ -15,8 +15,8 @@ from scalebook.comm import launch
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel.dims import ParallelDims
 from scalebook.parallel.parallelize import ParallelModel, parallelize
+from scalebook.parallel.state_dict import get_state_dict
 from scalebook.train import checkpoint
-from scalebook.train.state_dict import get_state_dict
 
 STEPS = 4
 SAVES = (0, 2)  # before the first step, and after two
@@ -43,17 +43,21 @@ def _train(pm, root, *, saves=(), first: int = 0) -> dict:
     """Steps ``first`` to STEPS - 1, saving checkpoint s (through DCP, published) before step s for s in ``saves``;
     the losses, and the weights and optimizer state at the end."""
     saver, losses = checkpoint.Checkpointer(root, {}), []
+    inner = getattr(pm.optimizer, "optim", pm.optimizer)  # ZeRO-1: the optimizer of this rank's shard
     for step, (x, y) in enumerate(_batches(pm)):
         if step < first:
             continue
         if step in saves:
+            before = _cloned(inner.state_dict())
             saver.save(pm.state_dict(), step)
+            # The save itself leaves the optimizer's state as it was, bit for bit: which parameters have state,
+            # and every step count (wpe.weight has none at either save).
+            assert _equal(inner.state_dict(), before), f"the save before step {step} changed the optimizer's state"
         losses.append(pm.forward_backward(x, y).item())
         if step < NO_GRADIENT_UNTIL:
             pm.model.wpe.weight.grad = None
         pm.step()
         pm.zero_grad()
-    inner = getattr(pm.optimizer, "optim", pm.optimizer)  # ZeRO-1: the optimizer of this rank's shard
     return {"losses": losses, "weights": {k: v.clone() for k, v in pm.model.state_dict().items()},
             "optimizer": inner.state_dict()}  # fmt: skip
 
@@ -66,6 +70,15 @@ def _resumed(layout: str, root, step: int) -> dict:
     saver.load(state, step)
     pm.load_state_dict(state)
     return _train(pm, root, first=step)
+
+
+def _cloned(a):
+    """A copy of ``a`` (nested dicts and lists of tensors) that later in-place updates cannot reach."""
+    if isinstance(a, dict):
+        return {k: _cloned(v) for k, v in a.items()}
+    if isinstance(a, (list, tuple)):
+        return type(a)(_cloned(v) for v in a)
+    return a.clone() if torch.is_tensor(a) else a
 
 
 def _equal(a, b) -> bool:

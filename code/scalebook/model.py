@@ -4,7 +4,7 @@ The layout is GPT-2's, so that weights move both ways between this model and Hug
 ``GPT2LMHeadModel``: token embeddings plus learned absolute position embeddings, a stack of
 pre-LayerNorm blocks (causal multi-head self-attention, then a 4x GELU MLP, each wrapped in a
 residual connection), a final LayerNorm and a language-model head tied to the token embedding.
-With ``n_experts > 0`` every block's MLP is a mixture of experts (:mod:`scalebook.parallel.expert`).
+With ``n_experts > 0`` every block's MLP is a mixture of experts (:mod:`scalebook.moe`).
 
 Attention comes in two interchangeable implementations selected by ``GPTConfig.attn_impl``:
 ``"explicit"`` spells out softmax(QK^T / sqrt(d_head) + M) V so that every intermediate tensor is
@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from scalebook.moe import moe_mlp
+
 ATTN_IMPLS = ("explicit", "sdpa")
 
 
@@ -40,7 +42,7 @@ class GPTConfig:
     bias: bool = True
     layer_norm_eps: float = 1e-5
     attn_impl: str = "explicit"
-    # Mixture of experts (scalebook.parallel.expert): 0 keeps the dense MLP; E > 0 gives every block E expert
+    # Mixture of experts (scalebook.moe): 0 keeps the dense MLP; E > 0 gives every block E expert
     # MLPs and a top-k router. No capacity factor: dropless (every expert has room for all tokens).
     n_experts: int = 0
     expert_top_k: int = 2
@@ -171,12 +173,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
-        if config.n_experts:
-            from scalebook.parallel.expert import moe_mlp  # imported here: the parallel package imports this module
-
-            self.mlp = moe_mlp(config)
-        else:
-            self.mlp = MLP(config)
+        self.mlp = moe_mlp(config) if config.n_experts else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scalebook.parallel.dims import SHARDED_GRADIENTS, DeviceMesh, ParallelDims
+from scalebook.parallel.state_dict import get_state_dict, set_state_dict
 
 __all__ = ["ParallelModel", "parallelize"]
 
@@ -173,16 +174,12 @@ class ParallelModel:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's model and optimizer state for ``torch.distributed.checkpoint``: the single-process GPT's
         names, a DTensor wherever the rank holds a chunk of a tensor, so that a checkpoint written in one
-        layout loads in another (see :mod:`scalebook.train.state_dict`)."""
-        from scalebook.train.state_dict import get_state_dict
-
+        layout loads in another (see :mod:`scalebook.parallel.state_dict`)."""
         return get_state_dict(self)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy a :meth:`state_dict` of this layout (filled by ``torch.distributed.checkpoint.load``) into the
         live model and optimizer."""
-        from scalebook.train.state_dict import set_state_dict
-
         set_state_dict(self, state)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ Layout of a checkpoint directory::
       step_000040/manifest.json  written last: each file's size and SHA-256, the run's arguments and model config
       latest                     the name of the newest complete step directory
 
-Each rank presents its state with :func:`scalebook.train.state_dict.get_state_dict` (global names, DTensors
+Each rank presents its state with :func:`scalebook.parallel.state_dict.get_state_dict` (global names, DTensors
 for the chunks it holds); DCP's planner decides who writes what, and a load in any other layout reads the
 chunks that overlap what each rank holds there. :class:`Checkpointer` saves synchronously, or with
 ``async_save=True`` through ``dcp.async_save``: the state is copied to host memory (the stall) and written by a
@@ -272,7 +272,7 @@ class Checkpointer:
         self.pending: tuple[int, object] | None = None  # (step, the background write's future)
 
     def save(self, state: dict, step: int) -> None:
-        """Write ``state`` (:func:`~scalebook.train.state_dict.get_state_dict` plus the run's own tensors) as
+        """Write ``state`` (:func:`~scalebook.parallel.state_dict.get_state_dict` plus the run's own tensors) as
         checkpoint ``step``."""
         import torch.distributed.checkpoint as dcp
 
@@ -346,7 +346,7 @@ class RunCheckpoints:
     def resume(self, start: int) -> list[float]:
         """Load checkpoint ``start`` (the pre-flight's newest intact one; 0: none) into the model and the data
         generator; the losses so far. The optimizer gets the state the checkpoint holds, and only that."""
-        from scalebook.train.state_dict import get_state_dict
+        from scalebook.parallel.state_dict import get_state_dict
 
         if not start:
             return []
