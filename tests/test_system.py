@@ -283,3 +283,21 @@ def test_the_busiest_stage_does_not_hang_on_the_last_bit_of_a_sum():
     assert most == 3 and capacity == pytest.approx(0.6, rel=1e-15)
     capacity, most = busiest_stage([0.1, 0.2, 0.3, 0.6], 0.0, 2)
     assert most == 3 and capacity == pytest.approx(0.6, rel=1e-6)  # the search stops within 1e-6 of the optimum
+
+
+def test_expert_all_to_all_crosses_the_network_for_at_most_node_limit_copies():
+    """DeepSeek-V3's dispatch on 2,048 H800 (nodes of 8, eight 400 Gb/s NICs, EP 64 over 8 nodes): 4,096 tokens
+    x 8 routed copies x 7,168 bytes (FP8). Spread evenly, 56/64 of the copies leave the node; node-limited
+    routing sends a token to at most 4 nodes, once per node, so at most 4/8 of the copies cross the network,
+    at one NIC's 50 GB/s times the InfiniBand ring efficiency of nccl #812 (192/200), while the 7/64 bound for
+    the node's other GPUs move over NVLink at the same time. Latency: NCCL's base plus one network step."""
+    from scalebook.system.hardware import all_to_all_time
+
+    cluster = Cluster("h800-sxm", 2048)
+    message = 4096 * 8 * 7168
+    latency = 8.4e-6 + 14.0e-6  # NCCL 2.23-2.27 baseLat Ring/Simple + hwLat NET Ring/Simple
+    nic = 50e9 * 192 / 200
+    limited = all_to_all_time(message, 64, per_domain=8, cluster=cluster, node_limit=4, fanout=8)
+    spread = all_to_all_time(message, 64, per_domain=8, cluster=cluster)
+    assert limited == pytest.approx(latency + message * 4 / 8 / nic, rel=1e-9)
+    assert spread == pytest.approx(latency + message * 56 / 64 / nic, rel=1e-9)

@@ -1,8 +1,10 @@
 """Search for a parallel layout: enumerate (tp, pp, cp, dp, v, micro-batch, recomputation, ZeRO), reject, rank.
 
 For a model, a sequence length, a global batch in tokens and a cluster, every factorization
-``gpus = tp * pp * cp * dp`` into powers of two (``tp`` within a node, ``pp`` at most the layers) is combined with
-the virtual stages, micro-batch sizes, recomputation policies and ZeRO stages given. Each candidate goes through
+``gpus = tp * pp * cp * dp`` with ``tp pp cp`` powers of two (``tp`` within an NVLink domain: a node of an HGX
+board, 72 GPUs of a GB200 NVL72 rack; ``pp`` at most the layers) is combined with the expert-parallel degrees of a
+mixture of experts (``ep``, with its all-to-all priced by :func:`scalebook.system.hardware.all_to_all_time`), the
+virtual stages, micro-batch sizes, recomputation policies and ZeRO stages given. Each candidate goes through
 the system model (:func:`scalebook.system.predict.predict`, parameters fitted on published runs:
 :mod:`scalebook.calibration`), which **predicts** its step time, utilization and memory: nothing here is an
 assumed utilization. A candidate is **rejected**, with its reason, when it cannot run at all (``predict``'s
@@ -13,8 +15,9 @@ by predicted step time.
 
 What every candidate shares (``base``): the settings of :class:`scalebook.system.layout.TrainingLayout`, with
 pipeline sends overlapped (Megatron-LM's ``--overlap-p2p-communication``, Llama 3's asynchronous p2p), the
-data-parallel sync overlapped with the backward, fused attention and sequence parallelism. The cluster's
-nodes have one network port per GPU (:class:`Cluster`), NCCL's ring latencies and rail-aligned rings
+data-parallel sync overlapped with the backward, fused attention and sequence parallelism (DeepSeek-V3's
+DualPipe, FP8 and node-limited routing are set there). The cluster's nodes have one network port per GPU
+(:class:`Cluster`; :data:`NVL72` is 32 GB200 NVL72 racks), NCCL's ring latencies and rail-aligned rings
 (:mod:`scalebook.system.hardware`).
 
 ``predict`` here is :func:`scalebook.system.predict.predict`. ``plan`` once took an ``mfu`` (the share of peak the
@@ -46,13 +49,15 @@ BASE = TrainingLayout(tp=1, pp=1, dp=1, overlap_p2p=True)
 
 @dataclass(frozen=True)
 class Cluster:
-    """GPUs of one type in nodes of ``gpus_per_node`` (one NVLink domain each); every GPU has one network port of
-    ``inter_node_link`` (a key of ``scalebook.configs.LINKS``)."""
+    """GPUs of one type in nodes of ``gpus_per_node``; every GPU has one network port of ``inter_node_link`` (a key
+    of ``scalebook.configs.LINKS``). ``nvlink_domain`` GPUs reach each other over NVLink (``None``: one node, as
+    on an HGX board; 72 for a GB200 NVL72 rack of 18 trays of 4): tensor parallelism stays inside it."""
 
     gpu: str = "h100-sxm"
     gpus_per_node: int = 8
     nodes: int = 2048
     inter_node_link: str = "infiniband-ndr"
+    nvlink_domain: int | None = None
 
     @property
     def gpus(self) -> int:
@@ -63,7 +68,14 @@ class Cluster:
         link = configs.get_link(self.inter_node_link)
         return system_hardware.Cluster(self.gpu, self.gpus, gpus_per_node=self.gpus_per_node,
                                        nics_per_node=self.gpus_per_node, nic_bandwidth=link.bandwidth,
+                                       nvlink_domain=self.nvlink_domain,
                                        name=f"{self.nodes} x {self.gpus_per_node} {self.gpu}")  # fmt: skip
+
+
+# 32 GB200 NVL72 racks (18 trays of 4 Blackwell GPUs, 72 in one NVLink domain), 2,304 GPUs. Each GPU is rated here
+# as the HGX B200's datasheet rates it (2.25 PFLOPS dense BF16, 180 GB, NVLink 1.8 TB/s); the NVL72 sheet gives
+# 2.5 PFLOPS and 186 GB, so the planner's compute times on it are about 10 % long.
+NVL72 = Cluster(gpu="b200", gpus_per_node=4, nodes=18 * 32, nvlink_domain=72)
 
 
 @dataclass(frozen=True)
@@ -112,10 +124,17 @@ def _check_inputs(cfg, seq_len, global_batch_tokens, cluster, options) -> None:
                             f"choose a GPU that has: {', '.join(bf16)}")  # fmt: skip
         if cluster.inter_node_link not in configs.LINKS:
             problems.append(f"unknown link {cluster.inter_node_link!r}; choose one of {configs.list_links()}")
-        for name in ("gpus_per_node", "nodes"):
-            value = getattr(cluster, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-                problems.append(f"cluster.{name} must be a power of two >= 1, got {value!r}")
+        value = cluster.gpus_per_node
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+            problems.append(f"cluster.gpus_per_node must be a power of two >= 1, got {value!r}")
+        if isinstance(cluster.nodes, bool) or not isinstance(cluster.nodes, int) or cluster.nodes < 1:
+            problems.append(f"cluster.nodes must be a positive integer, got {cluster.nodes!r}")
+        elif (domain := cluster.nvlink_domain) is not None and (
+            isinstance(domain, bool) or not isinstance(domain, int) or domain < 1
+            or domain % cluster.gpus_per_node or cluster.gpus % domain
+        ):  # fmt: skip
+            problems.append(f"cluster.nvlink_domain must be whole nodes of {cluster.gpus_per_node} GPUs that divide "
+                            f"the cluster's {cluster.gpus}, or None, got {domain!r}")  # fmt: skip
     for name, values, allowed in options:
         if not values or any(v not in allowed for v in values):
             problems.append(f"{name} must be a non-empty tuple of {allowed}, got {values!r}")
@@ -126,6 +145,7 @@ def _check_inputs(cfg, seq_len, global_batch_tokens, cluster, options) -> None:
 def _reason(text: str) -> str:
     """A rejection reason without the numbers of one candidate, so that candidates group by rule."""
     text = re.sub(r" \([^)]*\)", "", text)
+    text = re.sub(r"^the interleaved schedule .*", "interleaved micro-batches not a multiple of pp", text)
     return re.sub(r"^\d+ micro-batches cannot fill \d+ stages$", "fewer micro-batches than pipeline stages", text)
 
 
@@ -139,11 +159,14 @@ def plan(
     zero_stages: tuple[int, ...] = (1, 3),
     virtual_stages: tuple[int, ...] = (1, 2, 4),
     recomputes: tuple[str, ...] = RECOMPUTE,
+    expert_parallel: tuple[int, ...] | None = None,
     base: TrainingLayout = BASE,
     **unknown,
 ) -> Plan:
     """Enumerate, predict, reject and rank layouts (see the module docstring). ``base`` holds the settings every
-    candidate shares; its degrees, micro-batch, recomputation, ZeRO stage and virtual stages are replaced."""
+    candidate shares; its degrees, micro-batch, recomputation, ZeRO stage and virtual stages are replaced.
+    ``expert_parallel``: the ``ep`` degrees tried for a mixture of experts (``None``: every power of two that
+    divides the experts and the data-parallel ranks; a dense model runs ``ep = 1``)."""
     if "mfu" in unknown:
         raise TypeError("plan() takes no mfu: the system model predicts utilization (scalebook.system); "
                         "remove the mfu argument")  # fmt: skip
@@ -153,14 +176,17 @@ def plan(
     _check_inputs(cfg, seq_len, global_batch_tokens, cluster,
                   (("micro_batches", micro_batches, range(1, 1025)), ("zero_stages", zero_stages, (0, 1, 2, 3)),
                    ("virtual_stages", virtual_stages, range(1, 129)),
-                   ("recomputes", recomputes, ("none", "selective", "full"))))  # fmt: skip
+                   ("recomputes", recomputes, ("none", "selective", "full")),
+                   ("expert_parallel", (1,) if expert_parallel is None else expert_parallel, range(1, 4097))),
+                  )  # fmt: skip
     system = cluster.system()
     rejected: Counter = Counter()
     ranked = []
     for zero in zero_stages:
         ranking = rank_layouts(cfg, system, seq_len=seq_len, global_batch=global_batch_tokens // seq_len,
                                base=replace(base, zero_stage=zero), virtual_stages=virtual_stages,
-                               micro_batches=micro_batches, recomputes=recomputes)  # fmt: skip
+                               micro_batches=micro_batches, recomputes=recomputes,
+                               expert_parallel=expert_parallel)  # fmt: skip
         for reason, count in ranking.rejected.items():
             rejected[_reason(reason)] += count
         ranked += [Estimate(lay, p.memory_total, p.step_time, dict(p.breakdown), p.mfu) for lay, p in ranking.ranked]
