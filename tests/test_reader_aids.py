@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from bs4 import BeautifulSoup
+from bs4 import BeautifulSoup, SoupStrainer
 from conftest import REPO, toc_files, toc_pages
 from markdown_it import MarkdownIt
 from mdit_py_plugins.dollarmath import dollarmath_plugin
@@ -331,7 +331,9 @@ def test_bold_terms_link_to_their_glossary_entries(book_html):
     for page in toc_pages():
         if page == "book/glossary.html":
             continue
-        article = BeautifulSoup((book_html / page).read_text(encoding="utf8"), "html.parser").find("article")
+        article = BeautifulSoup(  # the article alone: a page's navigation is most of its HTML
+            (book_html / page).read_text(encoding="utf8"), "html.parser", parse_only=SoupStrainer("article")
+        ).find("article")
         linked = Counter()
         for strong in article.find_all("strong"):
             text = normalize(strong.get_text())
@@ -604,11 +606,7 @@ def test_no_equation_label_is_shown_as_text():
     cells = {p.name: json.loads(p.read_text(encoding="utf8"))["cells"] for p in notebooks}
     labels = equation_labels([markdown_of(p) for p in notebooks] + [markdown_of(p) for p in book_sources()])
     assert len(labels) >= 20, f"only {len(labels)} equation labels found: has the $$ (label) syntax changed?"
-    offenders = [
-        f"{name} {hit}"
-        for name, nb_cells in cells.items()
-        for hit in labels_shown_as_text(nb_cells, labels)
-    ]
+    offenders = [f"{name} {hit}" for name, nb_cells in cells.items() for hit in labels_shown_as_text(nb_cells, labels)]
     assert not offenders, (
         "equation labels shown as text (write {eq}`label` in prose; name the formula or its number in a generated "
         "table):\n  " + "\n  ".join(offenders)
