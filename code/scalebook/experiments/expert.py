@@ -1,7 +1,7 @@
 """Chapter 14's mixture-of-experts experiments: expert parallelism against one MoE, and load balance in training.
 
 :func:`compare_expert_parallel` runs :class:`scalebook.parallel.expert.ExpertParallelMoE` on every rank against
-one :class:`~scalebook.parallel.expert.MoE` holding all experts, :func:`gpt_expert_parallel_errors` trains the
+one :class:`~scalebook.moe.MoE` holding all experts, :func:`gpt_expert_parallel_errors` trains the
 GPT's MoE option one step with :func:`~scalebook.parallel.expert.apply_expert_parallel` against one process;
 :func:`train_load_balance` trains a small
 byte-level GPT with MoE MLPs with no balancing, the auxiliary loss or DeepSeek-V3's bias update and records
@@ -47,7 +47,7 @@ __all__ = [
 
 def compare_expert_parallel(*, tokens_per_rank: int = 32, config: MoEConfig | None = None, seed: int = 0) -> dict:
     """On every rank (run it with :func:`scalebook.comm.launch`): expert-parallel MoE against one
-    :class:`~scalebook.parallel.expert.MoE`
+    :class:`~scalebook.moe.MoE`
     holding all experts, with one group per rank.
 
     The loss is a weighted mean over tokens: the reference takes it over all ep * tokens_per_rank tokens,

@@ -89,7 +89,8 @@ def validate_expert_parallel(n_experts: int, ep: int) -> None:
 
 
 class ExpertParallelMoE(MoE):
-    """This rank's part of a :class:`MoE`: the whole router, and experts [r E/ep, (r+1) E/ep) of ``group``.
+    """This rank's part of a :class:`~scalebook.moe.MoE`: the whole router, and experts [r E/ep, (r+1) E/ep) of
+    ``group``.
 
     ``forward(x)`` routes this rank's tokens, sends every expert's slice of the (E, C, d) buffer to the
     rank holding it (all-to-all), runs the local experts on what arrived from every rank, and sends the
@@ -107,7 +108,7 @@ class ExpertParallelMoE(MoE):
 
     @classmethod
     def from_moe(cls, moe: MoE, group=None) -> ExpertParallelMoE:
-        """Copy the router, the selection bias and this rank's experts from an unsharded :class:`MoE`."""
+        """Copy the router, the selection bias and this rank's experts from an unsharded :class:`~scalebook.moe.MoE`."""
         with torch.device(moe.router.weight.device):  # built where the MoE is, not on the CPU and then copied
             ep_moe = cls(moe.config, group).to(moe.router.weight.dtype)
         ep_moe.load_state_dict(_local_experts(moe.state_dict(), ep_moe.first_expert, ep_moe.local))
@@ -148,7 +149,7 @@ def _expert_parallel_layers(model: nn.Module) -> list[ExpertParallelMoE]:
 
 
 def apply_expert_parallel(model: nn.Module, group=None) -> nn.Module:
-    """Make every :class:`MoE` of ``model`` expert-parallel over ``group``, in place; returns ``model``.
+    """Make every :class:`~scalebook.moe.MoE` of ``model`` expert-parallel over ``group``, in place; returns ``model``.
 
     Each rank keeps the router and n_experts / ep of the experts, copied from the full layer, so every
     rank of ``group`` must have built the same model (same seed). Raises a ValueError, before changing
