@@ -38,8 +38,10 @@ def _problems(cfg, tp, pp) -> list[str]:
     if problems:
         return problems
     if cfg.is_moe or cfg.latent_attention is not None:
-        return [f"{cfg.name!r} is a mixture of experts or uses latent attention: parameter_split covers dense "
-                "models with (grouped-query) attention; experts are spread by expert parallelism (Chapter 14)"]  # fmt: skip
+        return [
+            f"{cfg.name!r} is a mixture of experts or uses latent attention: parameter_split covers dense "
+            "models with (grouped-query) attention; spread experts by expert parallelism (Chapter 14)"
+        ]
     problems = _checks.parallel_layout(cfg, tp=tp, pp=pp)
     if cfg.n_layers % pp:
         problems.append(f"pp ({pp}) must divide n_layers ({cfg.n_layers}) of {cfg.name} for equal stages")
