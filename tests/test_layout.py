@@ -61,7 +61,7 @@ LAYERS = {
         "configs compat citations accounting measure precision tokenizer data comm system calibration planner "
         "cluster_accounting plots parity".split()
     ),
-    "model": {"model", "moe", "llama", "mtp", "attention", "flash", "positions", "embeddings", "generate"},
+    "model": {"model", "moe", "llama", "mtp", "attention", "flash", "positions", "embeddings", "generate", "losses"},
     "parallel": {"parallel"},
     "runtime": {"train"},
     # the chapters' studies and tools; the root package, which imports any submodule lazily by name

@@ -12,6 +12,7 @@ Modules::
     embeddings  sentence embeddings with the packaged MiniLM encoder
     attention   scaled dot-product and multi-head attention from scratch, and their costs
     model       a GPT decoder from scratch, with Hugging Face GPT-2 weight import and export
+    moe         the mixture-of-experts layer: top-k routing, capacity, dispatch and combine, load balancing
     train       the one training loop (``train.loop``), ``python -m scalebook.train`` (``train.cli``: every layout,
                 under torchrun or srun, with metrics) and atomic per-rank checkpoints (``train.checkpoint``)
     cluster     a real two-node SLURM cluster on one machine, for tests and readers
@@ -50,6 +51,7 @@ _SUBMODULES = (
     "labs",
     "measure",
     "model",
+    "moe",
     "notebook",
     "parallel",
     "parity",

@@ -9,7 +9,8 @@
     sequence     sequence parallelism on top of tensor parallelism
     pipeline     pipeline parallelism: a stage is a slice of the model; GPipe / 1F1B / interleaved, one runtime
     context      context parallelism: ring attention with a load-balanced causal split
-    expert       mixture of experts and expert parallelism (all-to-all dispatch and combine)
+    expert       expert parallelism (all-to-all dispatch and combine); the MoE layer itself is scalebook.moe
+    state_dict   each rank's state as DCP reads and writes it, resharding between layouts
 
 Every strategy runs on CPU ranks with gloo (see :func:`scalebook.comm.launch`) and on GPUs with NCCL,
 and is tested against PyTorch's own implementation and against single-process training. The chapters'
