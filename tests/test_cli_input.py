@@ -321,6 +321,24 @@ def test_a_refused_layout_launched_through_torchrun_by_run_local_is_the_message_
     ]
 
 
+def test_run_locals_pre_flight_leaves_sys_stderr_alone_for_the_other_threads(monkeypatch):
+    # Notebooks call run_local from several threads at once (Ch. 15). Its pre-flight used to capture the message
+    # with contextlib.redirect_stderr, which swaps sys.stderr for every thread: two overlapping checks could
+    # leave a thread's StringIO installed as the kernel's stderr. The check must see the same sys.stderr as
+    # everyone else and still return the message.
+    seen = []
+
+    def refusing_preflight(args, world_size, **kwargs):
+        seen.append(sys.stderr)
+        raise ValueError("planted refusal")
+
+    monkeypatch.setattr(cli, "preflight", refusing_preflight)
+    original = sys.stderr
+    run = cli.run_local(TINY, nproc=2, timeout=60)  # refused before torchrun starts: nothing is launched
+    assert seen == [original] and sys.stderr is original
+    assert run.returncode == 2 and "planted refusal" in run.stderr
+
+
 def test_a_refused_layout_under_a_torchrun_started_by_hand_is_one_message_and_exit_code_2_from_every_rank():
     # Started by hand, torchrun runs the ranks before any check. They exit with code 2 and rank 0's message, without
     # a traceback or a usage text of theirs; what follows is torchrun's own report (its ChildFailedError traceback

@@ -45,12 +45,11 @@ Micikevicius et al. 2018 (skipping the update of a step with non-finite gradient
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,12 +74,17 @@ class _Parser(argparse.ArgumentParser):
     (``--help`` has it), and every rank exits with argparse's code 2 once rank 0 has printed it (no traceback:
     torchrun's report of the exit codes follows, which no rank can silence, so rank 0 says what it is)."""
 
+    refusing = threading.local()  # per thread: a notebook may call run_local from several threads at once
+
     def error(self, message: str):
         from scalebook.comm.launch import rank0_says
 
         torchrun = ("\n(torchrun's report below only says that the ranks exited with code 2; --check-only WORLD_SIZE "
                     "runs these checks without torchrun)") if "TORCHELASTIC_RUN_ID" in os.environ else ""  # fmt: skip
-        rank0_says(f"{self.prog}: error: {message}\n(see {self.prog} --help){torchrun}\n")  # the others wait for it
+        text = f"{self.prog}: error: {message}\n(see {self.prog} --help){torchrun}\n"
+        if getattr(self.refusing, "on", False):  # _refusal's pre-flight, in this thread: the text, not printed
+            raise SystemExit(text)
+        rank0_says(text)  # the others wait for it
         self.exit(2)
 
 
@@ -460,13 +464,13 @@ def _refusal(train_args: list[str], world_size: int) -> str | None:
     else None. Run here, in the launching process, a refused run never starts torchrun, whose own report (a
     ChildFailedError traceback, exit code 1) would follow the message: the message alone, and exit code 2. The
     memory check is left to the ranks, each on its device (here it would open a CUDA context the run never uses)."""
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
-        try:
-            main([*train_args, "--check-only", str(world_size), "--skip-memory-check"])
-        except SystemExit as exited:
-            if exited.code not in (0, None):
-                return stderr.getvalue()
+    _Parser.refusing.on = True  # not contextlib.redirect_stderr, which swaps sys.stderr for every thread
+    try:
+        main([*train_args, "--check-only", str(world_size), "--skip-memory-check"])
+    except SystemExit as exited:  # 0: --help or the like, nothing refused
+        return None if exited.code in (0, None) else str(exited.code)
+    finally:
+        _Parser.refusing.on = False
     return None
 
 
