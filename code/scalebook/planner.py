@@ -17,7 +17,7 @@ What every candidate shares (``base``): the settings of :class:`scalebook.system
 pipeline sends overlapped (Megatron-LM's ``--overlap-p2p-communication``, Llama 3's asynchronous p2p), the
 data-parallel sync overlapped with the backward, fused attention and sequence parallelism (DeepSeek-V3's
 DualPipe, FP8 and node-limited routing are set there). The cluster's nodes have one network port per GPU
-(:class:`Cluster`; :data:`NVL72` is 32 GB200 NVL72 racks), NCCL's ring latencies and rail-aligned rings
+(:class:`Cluster`; ``NVL72`` is 32 GB200 NVL72 racks), NCCL's ring latencies and rail-aligned rings
 (:mod:`scalebook.system.hardware`).
 
 ``predict`` here is :func:`scalebook.system.predict.predict`. ``plan`` once took an ``mfu`` (the share of peak the

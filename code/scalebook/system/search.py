@@ -1,6 +1,6 @@
 """Rank parallel layouts by the system model's predicted step time (what ``planner.plan`` runs for each ZeRO stage).
 
-Every ``tp pp cp`` (powers of two, ``tp`` at most the cluster's NVLink domain, :attr:`Cluster.domain`: 8 GPUs on an
+Every ``tp pp cp`` (powers of two, ``tp`` at most the cluster's NVLink domain, ``Cluster.domain``: 8 GPUs on an
 HGX board, 72 in a GB200 NVL72 rack; ``pp`` at most the layers) whose product divides the cluster's GPUs, with
 ``dp`` the rest, is combined with the expert-parallel degrees of a mixture of experts (``ep`` dividing the experts
 and ``dp cp``; 1 for a dense model), the virtual stages, micro-batch sizes and recomputation policies given; every
