@@ -114,6 +114,36 @@ def event_order(version: str) -> list[tuple[str, str]]:
     return events
 
 
+class RaiseInBackward(torch.autograd.Function):
+    """The identity whose backward raises, as an out-of-memory error inside backward would."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("planted failure inside backward")
+
+
+def after_a_failed_backward(version: str) -> str:
+    """A backward pass that raises after the head's gradients are ready (their hooks have run), then the next
+    forward: the error it raises, or "" if it trains on (the engine never ran the pass's callback, so that
+    wrapper would never average again, silently)."""
+    model = Net(mixed=False)
+    wrapped = wrap(version, model)
+    x, y = torch.randn(4, 24), torch.randint(0, 10, (4,))
+    handle = model.norm.register_forward_hook(lambda module, inputs, output: RaiseInBackward.apply(output))
+    with contextlib.suppress(RuntimeError):
+        wrapped(x, y).backward()
+    handle.remove()
+    try:
+        wrapped(x, y).backward()
+    except RuntimeError as error:
+        return str(error)
+    return ""
+
+
 def runs() -> dict:
     results = {}
     for mixed in (False, True):
@@ -124,6 +154,8 @@ def runs() -> dict:
                 results[version, loop, mixed] = train(version, loop, mixed)
     for version in ("torch", *OURS):
         results["events", version] = event_order(version)
+    for version in OURS:
+        results["failed backward", version] = after_a_failed_backward(version)
     return results
 
 
@@ -201,3 +233,11 @@ def test_only_the_overlapped_version_communicates_while_gradients_are_still_bein
             assert first_launch < last_grad, version
         else:  # versions 1 and 2 start when the engine calls back, after the last gradient
             assert first_launch > last_grad, version
+
+
+@pytest.mark.parametrize("version", OURS)
+def test_a_backward_pass_that_raised_stops_the_next_forward(results, version):
+    # Torch DDP stops too ("Expected to have finished reduction in the prior iteration"); training on would
+    # step un-averaged gradients from then on.
+    for rank in range(WORLD):
+        assert "the previous backward pass through this wrapper raised" in results[rank]["failed backward", version]

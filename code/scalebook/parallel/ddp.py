@@ -191,6 +191,11 @@ class DataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._gradient_ready)
 
     def forward(self, *args, **kwargs):
+        if self.callback_queued:  # the engine drops a backward pass's callbacks when that pass raises
+            raise RuntimeError(
+                "the previous backward pass through this wrapper raised before it ended: its gradients were never "
+                "averaged and some of its all-reduces may be in flight. Build a new wrapper on every rank."
+            )
         buffers = list(self.module.buffers())
         # As torch DDP: rank 0's buffers (say BatchNorm's running statistics) before each forward that
         # follows a synchronising one, so that every replica computes with the same state.
