@@ -15,7 +15,11 @@ venv: $(STAMP)
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -r requirements.txt
+	@# pip would compile the ~18,000 modules to bytecode on one core (half of the install's time); compileall
+	@# writes the same .pyc files on every core. Like pip, it passes over the few files that do not compile
+	@# under this Python (e.g. torch's py312_intrinsics.py).
+	$(BIN)/python -m pip install --quiet --no-compile -r requirements.txt
+	$(BIN)/python -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (scalebook)" > /dev/null
 	@# Build matplotlib's font cache now: on a fresh machine its one-time notice would otherwise go to a
 	@# chapter's stderr, which the book build treats as a warning (_config.yml, stderr_output: warn).
