@@ -29,6 +29,7 @@ Williams et al. 2009, "Roofline" (peak and bandwidth measured by a kernel that s
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -379,6 +380,8 @@ def peak_allocated_bytes(fn: Callable[[], object]) -> int:
     """
     from torch.autograd import profiler
 
+    # kineto, the profiler's engine, prints "profiler_start"/"profiler_stop" to stderr unless told not to.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     with profiler.profile(profile_memory=True) as prof:
         fn()
     events = [e for e in prof.kineto_results.events()
