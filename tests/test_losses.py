@@ -76,10 +76,11 @@ def test_chunked_loss_holds_one_chunk_of_logits():
     assert cross_entropy_peak_bytes(vocab, n, d) == 3 * 512 * 4096 * 4
     predicted = cross_entropy_peak_bytes(vocab, n, d, chunk_tokens=chunk)
     assert predicted == 4 * (64 * 4096 + 4096 * 16 + 512 * 16 + 64 * 16 + 512)
-    # Measured: the formulas leave out scalars and boolean masks, a few kB (a second chunk would add 1 MB).
-    assert 0 <= peak_allocated_bytes(unchunked) - 3 * 512 * 4096 * 4 < 4096
+    # Measured: the formulas leave out scalars and boolean masks, 8 bytes and 1 kB here; 32 kB leaves room for
+    # reduction buffers on other CPUs and is still far below the 1 MB a second live chunk would add.
+    assert 0 <= peak_allocated_bytes(unchunked) - 3 * 512 * 4096 * 4 < 32 * 1024
     h.grad = weight.grad = None
-    assert 0 <= peak_allocated_bytes(chunked) - predicted < 4096
+    assert 0 <= peak_allocated_bytes(chunked) - predicted < 32 * 1024
 
 
 def test_logits_bytes_llama3_8b_by_hand():
