@@ -93,3 +93,16 @@ def parallel_layout(model, *, dp: int = 1, tp: int = 1, pp: int = 1, sp: bool = 
         problems.append(f"sequence parallelism splits the sequence over tp ranks: seq_len ({seq_len}) must be "
                         f"divisible by tp ({tp})")  # fmt: skip
     return problems
+
+
+def even_split(model: ModelConfig, *, tp: int = 1, pp: int = 1) -> list[str]:
+    """Beyond :func:`parallel_layout`, what an exact per-rank count needs: ``pp`` divides the layers (equal
+    stages), and ``tp`` divides the MLP width and the vocabulary (every rank an equal slice, no padding)."""
+    problems = []
+    if model.n_layers % pp:
+        problems.append(f"pp ({pp}) must divide n_layers ({model.n_layers}) of {model.name} for equal stages")
+    for name, size in (("d_ff", model.d_ff), ("vocab_size", model.vocab_size)):
+        if size % tp:
+            problems.append(f"tp ({tp}) must divide {name} ({size}) of {model.name}; pad it to "
+                            f"{-(-size // tp) * tp}")  # fmt: skip
+    return problems

@@ -42,14 +42,7 @@ def _problems(cfg, tp, pp) -> list[str]:
             f"{cfg.name!r} is a mixture of experts or uses latent attention: parameter_split covers dense "
             "models with (grouped-query) attention; spread experts by expert parallelism (Chapter 14)"
         ]
-    problems = _checks.parallel_layout(cfg, tp=tp, pp=pp)
-    if cfg.n_layers % pp:
-        problems.append(f"pp ({pp}) must divide n_layers ({cfg.n_layers}) of {cfg.name} for equal stages")
-    for name, size in (("d_ff", cfg.d_ff), ("vocab_size", cfg.vocab_size)):
-        if size % tp:
-            problems.append(f"tp ({tp}) must divide {name} ({size}) of {cfg.name}; pad it to "
-                            f"{-(-size // tp) * tp}")  # fmt: skip
-    return problems
+    return _checks.parallel_layout(cfg, tp=tp, pp=pp) + _checks.even_split(cfg, tp=tp, pp=pp)
 
 
 def parameter_split(cfg: ModelConfig, *, tp: int = 1, pp: int = 1) -> dict[str, Piece]:
