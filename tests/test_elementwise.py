@@ -18,6 +18,8 @@ from torch import nn
 
 from scalebook.comm import launch
 from scalebook.parallel import elementwise, zero
+from scalebook.parallel.dims import ParallelDims
+from scalebook.parallel.parallelize import parallelize
 
 STEPS, ROWS, LR = 3, 8, 1e-2  # optimizer steps; rows of the global batch (half on each rank)
 # float64: a different summation order leaves about 1e-16 of rounding per step; a wrong update moves a weight by
@@ -100,6 +102,13 @@ def run_everything() -> dict:
     if dist.get_rank() == 0:
         for name in ("adamw", "not elementwise"):
             out[("single", name, False)] = _train("single", name)
+    for name in ("adamw", "not elementwise"):  # parallelize builds ZeRO-3's optimizer itself: refused as it does
+        dims = ParallelDims(world_size=dist.get_world_size(), dp=dist.get_world_size(), data_parallel="zero3")
+        try:
+            parallelize(_toy(), dims, optimizer_class=OPTIMIZERS[name], lr=LR)
+            out[("parallelize", name)] = None
+        except ValueError as error:
+            out[("parallelize", name)] = str(error)
     return out
 
 
@@ -128,6 +137,14 @@ def test_a_class_not_known_elementwise_is_refused_saying_why_and_what_to_do(rank
         assert "torch's ZeroRedundancyOptimizer (whole tensors per rank)" in message and "torch's FSDP2" in message
         # ZeRO-1 at construction; ZeRO-3 (which never sees the optimizer) at its first step, before the update
         assert outcome["at construction"] == (method == "zero1") and outcome["untouched"]
+
+
+def test_parallelize_refuses_zero3s_optimizer_when_it_builds_it_before_any_step(ranks):
+    # fully_shard never sees the optimizer (its refusal comes at the first step); parallelize builds it, so it
+    # checks it there: the error before any forward, an elementwise class accepted.
+    for rank in ranks:
+        assert rank[("parallelize", "adamw")] is None
+        assert f"{NOT_ELEMENTWISE.__qualname__} may not be elementwise" in rank[("parallelize", "not elementwise")]
 
 
 @pytest.mark.parametrize("method", ["zero1", "zero3"])

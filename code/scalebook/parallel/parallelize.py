@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scalebook.parallel.dims import SHARDED_GRADIENTS, DeviceMesh, ParallelDims
+from scalebook.parallel.elementwise import check_row_shard_optimizer
 from scalebook.parallel.state_dict import get_state_dict, set_state_dict
 
 __all__ = ["ParallelModel", "parallelize"]
@@ -91,9 +92,10 @@ class ParallelModel:
         return no_sync() if no_sync else contextlib.nullcontext()
 
     def _finish_gradients(self) -> None:
-        """What each dimension adds after the backward passes. The book's DDP first: it copies the averages of
-        what its hooks packed during the last backward back into ``.grad``, which would undo a sum made before.
-        The sums over model-parallel copies that follow are linear, so they commute with the averaging."""
+        """What each dimension adds after the backward passes. The book's DDP first: it has already averaged inside
+        each backward, and ``sync_gradients()`` only averages what passes run under ``no_sync()`` left (the
+        pipeline schedule's). The sums over model-parallel copies that follow are linear, so they commute with
+        the averaging."""
         sync = getattr(self.module, "sync_gradients", None)
         if sync:
             sync()
@@ -297,6 +299,7 @@ def parallelize(
         optimizer = ZeroRedundancyOptimizer(groups, optimizer_class, mesh.group("dp_cp"), **optimizer_kwargs)
     else:
         optimizer = optimizer_class(groups, **optimizer_kwargs)
+        check_row_shard_optimizer(optimizer)  # ZeRO-2/3's row shards: an optimizer refused now, not at its first step
     return ParallelModel(model, optimizer, dims, mesh, module=module, schedule=schedule)
 
 
