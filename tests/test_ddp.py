@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from scalebook import configs, data
+from scalebook import accounting, configs, data
 from scalebook.comm import count_traffic, launch
 from scalebook.experiments.ddp import DataParallelRun, predicted_step_time, train_data_parallel
 from scalebook.model import GPT, GPTConfig
@@ -417,6 +417,36 @@ def test_predicted_overlap_matches_a_bucket_by_bucket_simulation(comm_heavy):
 def test_bad_bucket_cap_raises_before_any_communication():
     with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):
         BucketedDDP(GPT(MINI), bucket_cap_mb=0)
+
+
+def test_bad_gradient_as_bucket_view_raises():
+    with pytest.raises(ValueError, match="gradient_as_bucket_view must be True or False"):
+        BucketedDDP(GPT(MINI), gradient_as_bucket_view="yes")
+    with pytest.raises(ValueError, match="gradient_as_bucket_view needs buckets"):
+        DataParallelRun("allreduce", MINI, TRAIN, gradient_as_bucket_view=True)
+
+
+def test_ddp_bucket_copy_adds_one_gradient_per_parameter_by_hand():
+    n = 1000
+    # fp32 Adam: weight 4 + gradient 4 + m 4 + v 4 = 16 bytes per parameter, and DDP's bucket 4 more.
+    fp32 = accounting.model_state_bytes(n, precision="fp32", ddp_bucket_copy=True)
+    assert fp32.total == 20 * n and fp32.grads == 8 * n
+    assert dict(fp32.rows())[accounting.memory.DDP_BUCKET_ROW] == 4 * n
+    # The bucket has the reduced gradients' dtype: bf16 in "mixed" (2), fp32 when they accumulate in fp32.
+    assert accounting.model_state_bytes(n, precision="mixed", ddp_bucket_copy=True).total == 18 * n
+    assert accounting.model_state_bytes(n, precision="mixed-fp32-grads", ddp_bucket_copy=True).total == 24 * n
+    # Off by default (torch's gradient_as_bucket_view=True, or a count without DDP): nothing added.
+    assert accounting.model_state_bytes(n, precision="fp32").total == 16 * n
+    # ZeRO-1 keeps DDP's buckets whole on every rank: at dp = 4, 4 + 4 + 4 + 8 / 4 = 14 bytes per parameter;
+    # tensor and pipeline parallelism divide the model, the bucket with it.
+    assert accounting.model_state_bytes(8000, precision="fp32", zero_stage=1, dp=4, ddp_bucket_copy=True).total == (
+        14 * 8000
+    )
+    assert accounting.model_state_bytes(8000, precision="fp32", tp=2, pp=2, ddp_bucket_copy=True).grads == 8 * 2000
+    with pytest.raises(ValueError, match="ZeRO stage 2 does not keep"):
+        accounting.model_state_bytes(n, zero_stage=2, dp=2, ddp_bucket_copy=True)
+    with pytest.raises(ValueError, match="ddp_bucket_copy must be True or False"):
+        accounting.model_state_bytes(n, ddp_bucket_copy=1)
 
 
 def test_wrapping_without_a_process_group_raises():

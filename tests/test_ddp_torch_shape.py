@@ -1,6 +1,7 @@
 """The book's DDP has torch DDP's shape: a loop written for torch DDP (``loss.backward(); optimizer.step()``, with
 or without ``no_sync()`` accumulation) trains exactly as under torch DDP, because the gradients are averaged by
-the time ``backward()`` returns; a model with parameters of two dtypes works; ``sync_gradients()`` is harmless.
+the time ``backward()`` returns; a model with parameters of two dtypes works; ``sync_gradients()`` is harmless;
+``gradient_as_bucket_view=True`` makes each ``.grad`` a view of its bucket, as in torch DDP, with the same bits.
 
 Why bit for bit is the right bar on 2 ranks: both implementations divide each local gradient by 2 (exact in
 binary floating point, short of subnormals) and gloo adds the two halves, and for two terms ``a + b`` is ``b + a``
@@ -20,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from scalebook.comm import count_traffic, launch
+from scalebook.measure import tensor_bytes
 from scalebook.parallel.ddp import AllReduceDDP, BucketedDDP, OverlappedDDP, assign_buckets
 
 OURS = {"allreduce": AllReduceDDP, "bucketed": BucketedDDP, "overlapped": OverlappedDDP}
@@ -49,20 +51,48 @@ class Net(nn.Module):
         return F.cross_entropy(self.head(self.norm(h)), y)
 
 
-def wrap(version: str, model: nn.Module) -> nn.Module:
+def wrap(version: str, model: nn.Module, view: bool = False) -> nn.Module:
     if version == "torch":
-        return DistributedDataParallel(model, bucket_cap_mb=CAP_MB)
-    kwargs = {} if version == "allreduce" else {"bucket_cap_mb": CAP_MB}
+        return DistributedDataParallel(model, bucket_cap_mb=CAP_MB, gradient_as_bucket_view=view)
+    kwargs = {} if version == "allreduce" else {"bucket_cap_mb": CAP_MB, "gradient_as_bucket_view": view}
     return OURS[version](model, **kwargs)
 
 
-def train(version: str, loop: str, mixed: bool) -> dict:
-    """``STEPS`` SGD steps of ``Net`` on this rank under ``version`` driven by ``loop``; each step's averaged
-    gradients as the optimizer receives them, the final parameters, and the all-reduce calls per step."""
+def lies_inside(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes lie within ``buffer``'s (data_ptr ranges)."""
+    return buffer.data_ptr() <= t.data_ptr() and t.data_ptr() + t.nbytes <= buffer.data_ptr() + buffer.nbytes
+
+
+def grad_layout(model: nn.Module, wrapped: nn.Module) -> dict:
+    """Where the gradients live: the parameter names whose ``.grad`` share one storage; for the book's
+    bucketed versions also each bucket's names, whether each ``.grad`` lies inside its bucket's buffer (by
+    data_ptr range), and the bytes held by gradients and buckets together, each storage once."""
+    shared = {}
+    for name, p in model.named_parameters():
+        shared.setdefault(p.grad.untyped_storage().data_ptr(), []).append(name)
+    layout = {"shared": sorted(sorted(names) for names in shared.values())}
+    if isinstance(wrapped, BucketedDDP):
+        names = {p: name for name, p in model.named_parameters()}
+        layout["buckets"] = sorted(sorted(names[p] for p in bucket.params) for bucket in wrapped.buckets)
+        layout["inside"] = {names[p]: lies_inside(p.grad, wrapped.bucket_of[p].buffer) for p in model.parameters()}
+        layout["held"] = tensor_bytes([*(p.grad for p in model.parameters()), *(b.buffer for b in wrapped.buckets)])
+    return layout
+
+
+def train(version: str, loop: str, mixed: bool, view: bool = False) -> dict:
+    """``STEPS`` SGD steps of ``Net`` on this rank under ``version`` driven by ``loop`` (with
+    ``gradient_as_bucket_view=view``); each step's averaged gradients as the optimizer receives them, the
+    final parameters, the all-reduce calls per step, and where the last step's gradients live."""
     rank = dist.get_rank()
     torch.manual_seed(rank)  # different weights on every rank: only the wrapper's broadcast makes them equal
     model = Net(mixed)
-    wrapped = wrap(version, model)
+    wrapped = wrap(version, model, view)
+    ready_in_bucket = []  # with the view, one backward per step: is .grad in its bucket as soon as it is ready?
+    if view and loop == "torch" and isinstance(wrapped, BucketedDDP):
+        for p in model.parameters():  # registered after the wrapper's hooks, so they run after them
+            p.register_post_accumulate_grad_hook(
+                lambda p: ready_in_bucket.append(lies_inside(p.grad, wrapped.bucket_of[p].buffer))
+            )
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     grads, calls = [], []
@@ -83,7 +113,9 @@ def train(version: str, loop: str, mixed: bool) -> dict:
         calls.append(len(traffic.of("all_reduce")))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
-    return {"grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}, "calls": calls}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    layout = grad_layout(model, wrapped)
+    return {"grads": grads, "params": params, "calls": calls, "layout": layout, "ready_in_bucket": ready_in_bucket}
 
 
 def event_order(version: str) -> list[tuple[str, str]]:
@@ -152,6 +184,10 @@ def runs() -> dict:
                 if version == "torch" and loop == "pipeline":
                     continue  # torch DDP has no sync_gradients()
                 results[version, loop, mixed] = train(version, loop, mixed)
+    for mixed in (False, True):  # gradient_as_bucket_view: torch's and the book's bucketed versions
+        for version in ("torch", "bucketed", "overlapped"):
+            for loop in ("torch", "no_sync") if version == "torch" else ("torch", "no_sync", "pipeline"):
+                results[version, loop, mixed, "view"] = train(version, loop, mixed, view=True)
     for version in ("torch", *OURS):
         results["events", version] = event_order(version)
     for version in OURS:
@@ -241,3 +277,52 @@ def test_a_backward_pass_that_raised_stops_the_next_forward(results, version):
     # step un-averaged gradients from then on.
     for rank in range(WORLD):
         assert "the previous backward pass through this wrapper raised" in results[rank]["failed backward", version]
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16 and fp32"])
+@pytest.mark.parametrize("version", ["bucketed", "overlapped"])
+def test_gradient_as_bucket_view_gives_torch_ddps_gradients_bit_for_bit(results, version, mixed):
+    # The same bar as without the option (see the module docstring): the view changes where the sum lands,
+    # not how it is computed, so torch's gradients with the option, ours with it, and torch's without it
+    # must all be the same bits, with accumulation (no_sync, pipeline) too.
+    for rank in range(WORLD):
+        for loop in ("torch", "no_sync", "pipeline"):
+            reference_loop = "no_sync" if loop == "pipeline" else loop
+            ours = results[rank][version, loop, mixed, "view"]
+            theirs = results[rank]["torch", reference_loop, mixed, "view"]
+            without = results[rank]["torch", reference_loop, mixed]
+            for step in range(STEPS):
+                assert_bitwise_equal(ours["grads"][step], theirs["grads"][step])
+                assert_bitwise_equal(theirs["grads"][step], without["grads"][step])
+            assert_bitwise_equal(ours["params"], theirs["params"])
+
+
+@pytest.mark.parametrize("version", ["bucketed", "overlapped"])
+def test_gradient_as_bucket_view_keeps_one_copy_of_the_gradients_as_torch_ddp_does(results, version):
+    for mixed in (False, True):
+        # By hand: the gradients have the parameters' shapes and dtypes.
+        grad_bytes = sum(p.numel() * p.element_size() for p in Net(mixed).parameters())
+        for loop in ("torch", "no_sync", "pipeline"):
+            view = results[0][version, loop, mixed, "view"]["layout"]
+            assert all(view["inside"].values()), (loop, mixed)  # every .grad lies in its own bucket's buffer
+            assert view["shared"] == view["buckets"], (loop, mixed)  # one storage per bucket, holding its .grads
+            assert view["held"] == grad_bytes, (loop, mixed)
+        copy = results[0][version, "torch", mixed]["layout"]
+        assert not any(copy["inside"].values()) and all(len(names) == 1 for names in copy["shared"])
+        assert copy["held"] == 2 * grad_bytes  # the default: .grad and the bucket beside it
+        # torch's .grad views group the parameters as our buckets do (its buckets, rebuilt after step 1, are ours)
+        assert results[0]["torch", "torch", mixed, "view"]["layout"]["shared"] == view["buckets"]
+        assert all(len(names) == 1 for names in results[0]["torch", "torch", mixed]["layout"]["shared"])
+
+
+def test_with_the_view_version_3_moves_each_gradient_into_its_bucket_as_soon_as_it_is_ready(results):
+    # The loop sets .grad to None before each step (zero_grad's default), so autograd allocates each gradient
+    # afresh. Version 3 copies it into the bucket and points .grad there in the gradient's hook, freeing the fresh
+    # tensor at once, as torch's reducer does: the two copies never pile up. Version 2 packs at the end of
+    # backward, so under set_to_none its fresh gradients and the buckets coexist until then.
+    for mixed in (False, True):
+        n_params = len(list(Net(mixed).parameters()))
+        overlapped = results[0]["overlapped", "torch", mixed, "view"]["ready_in_bucket"]
+        bucketed = results[0]["bucketed", "torch", mixed, "view"]["ready_in_bucket"]
+        assert len(overlapped) == len(bucketed) == STEPS * n_params
+        assert all(overlapped) and not any(bucketed)

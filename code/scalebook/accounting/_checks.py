@@ -46,6 +46,13 @@ def positive_int(**values) -> list[str]:
     ]
 
 
+def boolean(**values) -> list[str]:
+    """True or False, not a number that compares equal to one (``1 == True``)."""
+    return [
+        f"{name} must be True or False, got {value!r}" for name, value in values.items() if not isinstance(value, bool)
+    ]
+
+
 def one_of(name: str, value, choices: tuple) -> list[str]:
     return [] if value in choices else [f"{name} must be one of {choices}, got {value!r}"]
 

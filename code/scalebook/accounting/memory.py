@@ -19,6 +19,15 @@ ZeRO-DP over N_d data-parallel ranks removes the replication stage by stage (ZeR
 
 Tensor and pipeline parallelism split the model itself, so tp * pp divides every term.
 
+DDP's buckets (Li et al. 2020): torch DDP all-reduces flat bucket buffers that it keeps beside ``.grad``
+by default, one more copy of the gradients it reduces, in their dtype, on every replica:
+
+    DDP bucket copy = g Psi      g = 4 ("fp32", "mixed-fp32-grads": the fp32 gradients are reduced), 2 ("mixed")
+
+and 0 with ``gradient_as_bucket_view=True``, under which ``.grad`` is a view of the buckets. It is opt-in
+(``ddp_bucket_copy=True``) and exists at ZeRO stages 0 and 1 (DDP, or DDP with a sharded optimizer); stages
+2 and 3 reduce-scatter the gradients instead.
+
 Activations saved per Transformer layer, 16-bit, sequence s, micro-batch b, width h, heads a, tensor
 parallel degree t, in Korthikanti et al.'s bookkeeping (the tensors backward needs; a norm's per-token
 statistics and attention's per-row log-sum-exp are left out). For their GPT-3 layer (multi-head
@@ -55,7 +64,8 @@ position so far, the KV cache:
 n_kv = a is multi-head attention, n_kv < a grouped-query attention (Llama 3: 8), n_kv = 1 multi-query.
 
 Source: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-Models", Sec. 3 and Fig. 1; Tazi et al. 2025, "The Ultra-Scale Playbook", "Memory usage in
+Models", Sec. 3 and Fig. 1; Li et al. 2020, "PyTorch Distributed" (VLDB), Sec. 3.2 (buckets), and PyTorch's
+``DistributedDataParallel(gradient_as_bucket_view=...)``; Tazi et al. 2025, "The Ultra-Scale Playbook", "Memory usage in
 Transformers"; Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models";
 Dao et al. 2022, "FlashAttention" (what a fused kernel keeps); Ainslie et al. 2023, "GQA"; Pope et al.
 2023, "Efficiently Scaling Transformer Inference" (the KV cache); Megatron-LM
@@ -96,6 +106,9 @@ _OPTIMIZER_ROWS = {
     "sgd-momentum": (("SGD momentum", 4, "optimizer"),),
 }
 _SHARDED_FROM = {"optimizer": 1, "grads": 2, "params": 3}
+# DDP's flat buckets beside .grad: bytes per parameter of the gradients it all-reduces.
+_DDP_BUCKET_BYTES = {"fp32": 4, "mixed": 2, "mixed-fp32-grads": 4}
+DDP_BUCKET_ROW = "DDP bucket buffers (second gradient copy)"
 
 
 @dataclass(frozen=True)
@@ -125,18 +138,27 @@ def model_state_bytes(
     pp: int = 1,
     precision: str = "mixed",
     optimizer: str = "adam",
+    ddp_bucket_copy: bool = False,
 ) -> ModelStateBytes:
-    """Parameters, gradients and optimizer state held per device (``n_params``: a count or a ModelConfig)."""
+    """Parameters, gradients and optimizer state held per device (``n_params``: a count or a ModelConfig).
+
+    With ``ddp_bucket_copy``, one more gradient row: torch DDP's buckets kept beside ``.grad`` (its default,
+    ``gradient_as_bucket_view=False``), at ZeRO stage 0 or 1; leave it False for ``gradient_as_bucket_view=True``.
+    """
     _checks.require(
         _checks.model_or_count(n_params),
         _checks.one_of("zero_stage", zero_stage, ZERO_STAGES),
         _checks.parallel_layout(n_params, dp=dp, tp=tp, pp=pp),
         _checks.one_of("precision", precision, PRECISIONS),
         _checks.one_of("optimizer", optimizer, OPTIMIZERS),
+        _checks.boolean(ddp_bucket_copy=ddp_bucket_copy),
+        _ddp_buckets_exist(zero_stage) if ddp_bucket_copy is True else [],
     )
     n = params_of(n_params)
     master, weights = _PRECISION_ROWS[precision]
     rows = master + _OPTIMIZER_ROWS[optimizer] + weights
+    if ddp_bucket_copy:
+        rows += ((DDP_BUCKET_ROW, _DDP_BUCKET_BYTES[precision], "grads"),)
     by_kind = {"params": 0, "grads": 0, "optimizer": 0}
     detail = []
     for label, bytes_per_param, kind in rows:
@@ -145,6 +167,15 @@ def model_state_bytes(
         by_kind[kind] += held
         detail.append((label, held))
     return ModelStateBytes(**by_kind, detail=tuple(detail))
+
+
+def _ddp_buckets_exist(zero_stage) -> list[str]:
+    if zero_stage in (2, 3):
+        return [
+            f"ddp_bucket_copy counts DDP's all-reduce buckets, which ZeRO stage {zero_stage} does not keep (it "
+            "reduce-scatters the gradients): use zero_stage 0 or 1, or ddp_bucket_copy=False"
+        ]
+    return []
 
 
 def activation_bytes(

@@ -10,6 +10,8 @@ process without communication, all through one loop (:class:`DataParallelRun`):
   and the book's versions alike) and its buckets; or, with ``comm_hook="fp16"``, averages in 16 bits
   through a compression hook (torch's ``fp16_compress_hook`` on torch DDP, the book's on its versions);
 * :func:`compare_step_times` times several setups side by side, one step of each in turn;
+* :func:`gradient_copies` measures the bytes that gradients and buckets hold, with and without
+  ``gradient_as_bucket_view``, in the book's versions 2 and 3 and in torch DDP;
 * :func:`hidden_communication` measures how much of the all-reduce time a timeline hides behind backward;
 * :func:`predicted_step_time` predicts a step on GPUs with the alpha-beta model;
 * :func:`run_experiments` runs many of them in one launch (starting ranks is the slow part of a demo).
@@ -39,6 +41,7 @@ from scalebook.comm.collectives import ALL_REDUCES
 from scalebook.comm.traffic import count_traffic
 from scalebook.configs import ModelConfig
 from scalebook.data import corpus_tokens, get_batch
+from scalebook.measure import tensor_bytes
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel.ddp import (
     DEFAULT_BUCKET_CAP_MB,
@@ -126,6 +129,7 @@ class DataParallelRun:
     ``comm_hook`` (``"fp16"`` or ``"bf16"``) averages in 16 bits instead of probing: torch DDP gets torch's
     ``fp16_compress_hook`` (torch refuses its bf16 hook without CUDA and NCCL), the book's versions
     :func:`scalebook.parallel.ddp.compress_hook`, over the chosen ``all_reduce``.
+    ``gradient_as_bucket_view`` is passed to torch DDP and the book's versions 2 and 3 (version 1 has no buckets).
     """
 
     def __init__(
@@ -141,7 +145,10 @@ class DataParallelRun:
         all_reduce: str = "library",
         record_grads: bool = False,
         comm_hook: str | None = None,
+        gradient_as_bucket_view: bool = False,
     ):
+        if gradient_as_bucket_view and version in ("allreduce", "single"):
+            raise ValueError(f"gradient_as_bucket_view needs buckets: version {version!r} has none")
         if comm_hook is not None and comm_hook not in COMM_HOOKS:
             raise ValueError(f"comm_hook must be None or one of {sorted(COMM_HOOKS)}, got {comm_hook!r}")
         if comm_hook is not None and version == "single":
@@ -169,11 +176,13 @@ class DataParallelRun:
         self.record_grads, self.grads = record_grads, {}
         # GPT's only buffers are its constant causal masks: no per-forward broadcast, in ours or in torch's.
         if version == "torch":
-            self.wrapped = DistributedDataParallel(self.model, bucket_cap_mb=bucket_cap_mb, forward_sync_buffers=False)
+            self.wrapped = DistributedDataParallel(self.model, bucket_cap_mb=bucket_cap_mb, forward_sync_buffers=False,
+                                                   gradient_as_bucket_view=gradient_as_bucket_view)  # fmt: skip
         elif version == "single":
             self.wrapped = self.model
         else:
-            kwargs = {} if version == "allreduce" else {"bucket_cap_mb": bucket_cap_mb}
+            kwargs = {} if version == "allreduce" else {"bucket_cap_mb": bucket_cap_mb,
+                                                        "gradient_as_bucket_view": gradient_as_bucket_view}  # fmt: skip
             self.wrapped = VERSIONS[version](self.model, forward_sync_buffers=False, **kwargs)
         from_scratch = ALL_REDUCES.get(all_reduce)  # None: the library's dist.all_reduce
         if comm_hook is not None:  # no probe: the hook does the averaging (and count_traffic still sees it)
@@ -334,6 +343,51 @@ def compare_step_times(setups: dict[str, dict], model_config: GPTConfig, train_c
             runs[label].step(step)
             times[label].append(time.perf_counter() - start)
     return times
+
+
+def gradient_bytes_held(run: DataParallelRun) -> dict:
+    """What ``run``'s gradients and DDP buckets hold once ``backward()`` has returned.
+
+    ``held``: bytes of the storages behind every ``.grad`` and every bucket, each storage once
+    (:func:`scalebook.measure.tensor_bytes`); ``grad_bytes``: those behind ``.grad`` alone; ``storages``: the
+    parameter names whose ``.grad`` share one storage. The book's buckets are ``run.wrapped.buckets``; torch
+    DDP's reducer keeps its buckets in C++, so their bytes come from its own log (``bucket_sizes``), counted
+    apart from ``.grad`` unless ``gradient_as_bucket_view`` is on, where ``.grad``'s storages are the buckets
+    (the bytes must then be equal, which is checked).
+    """
+    named = [(name, p) for name, p in run.model.named_parameters() if p.grad is not None]
+    grads = tensor_bytes(p.grad for _, p in named)
+    storages: dict[int, list[str]] = {}
+    for name, p in named:
+        storages.setdefault(p.grad.untyped_storage().data_ptr(), []).append(name)
+    if run.version == "torch":
+        log = run.wrapped._get_ddp_logging_data()
+        bucket_bytes = sum(int(size) for size in str(log["bucket_sizes"]).split(","))
+        if log["gradient_as_bucket_view"]:
+            if bucket_bytes != grads:
+                raise RuntimeError(f"torch DDP's buckets hold {bucket_bytes} bytes, its .grad views {grads}")
+            held = grads
+        else:
+            held = grads + bucket_bytes
+    else:
+        held = tensor_bytes([*(p.grad for _, p in named), *(bucket.buffer for bucket in run.wrapped.buckets)])
+    return {"held": held, "grad_bytes": grads, "storages": list(storages.values())}
+
+
+def gradient_copies(model_config: GPTConfig, train_config: TrainConfig, *, bucket_cap_mb: float) -> dict:
+    """Versions 2 and 3 and torch DDP, each with ``gradient_as_bucket_view`` off and on, trained side by side
+    for ``train_config.steps`` steps; for each (``"<version> view"`` or ``"<version> copy"``), the bytes held
+    after the last backward (:func:`gradient_bytes_held`) and the averaged gradients the optimizer received."""
+    result = {}
+    for version in ("bucketed", "overlapped", "torch"):
+        for view in (False, True):
+            run = DataParallelRun(version, model_config, train_config, bucket_cap_mb=bucket_cap_mb,
+                                  record_grads=True, gradient_as_bucket_view=view)  # fmt: skip
+            for step in range(train_config.steps):
+                run.step(step)
+            result[f"{version} {'view' if view else 'copy'}"] = {**gradient_bytes_held(run), "grads": run.grads,
+                                                                  "n_params": run.model.num_parameters()}  # fmt: skip
+    return result
 
 
 def run_experiments(**experiments: tuple[Callable, dict]) -> dict:

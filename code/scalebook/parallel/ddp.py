@@ -17,6 +17,12 @@ the whole batch, and the replicas stay identical. Three versions, each one chang
   bucket's all-reduce asynchronously, so the network works while backward is still computing the
   gradients of earlier layers.
 
+Versions 2 and 3 keep two copies of the gradients by default, as torch DDP does: ``.grad`` and the buckets
+beside it, one more gradient-sized buffer per replica (4 bytes per parameter in fp32). With
+``gradient_as_bucket_view=True`` (torch's option of that name) each ``.grad`` becomes a view of its slot in
+its bucket, so autograd accumulates straight into the buckets and one copy remains. Version 1 reduces
+``.grad`` in place and never had a second copy.
+
 All three average **inside** ``loss.backward()``, as torch DDP and picotron do. A hook on each parameter
 (``register_post_accumulate_grad_hook``) hears when its gradient is ready; the first such hook of a
 backward pass queues a callback with the autograd engine
@@ -327,11 +333,12 @@ def assign_buckets(params: list[nn.Parameter], bucket_cap_bytes: int) -> list[li
 
 class Bucket:
     """The gradients of a few parameters of one dtype and device, back to back in one flat buffer that one
-    collective reduces."""
+    collective reduces. With ``grads_as_views``, each parameter's ``.grad`` is its slot in the buffer."""
 
-    def __init__(self, index: int, params: list[nn.Parameter]):
+    def __init__(self, index: int, params: list[nn.Parameter], *, grads_as_views: bool = False):
         self.index = index
         self.params = params
+        self.grads_as_views = grads_as_views
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         self.offsets, offset = {}, 0  # where each parameter's gradient starts in the buffer
         for p in params:
@@ -345,16 +352,36 @@ class Bucket:
         return flat[self.offsets[p] : self.offsets[p] + p.numel()].view_as(p)
 
     def pack(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        self.slot(self.buffer, p).copy_(grad)
+        """Copy ``grad`` into ``p``'s slot, unless it is the slot already (``.grad`` a view of the bucket).
+
+        With ``grads_as_views`` the slot then becomes ``p.grad``: autograd accumulates the next backward
+        passes into the bucket itself, and the tensor autograd allocated this time is freed.
+        """
+        slot = self.slot(self.buffer, p)
+        if grad.data_ptr() != slot.data_ptr():
+            slot.copy_(grad)
+        if self.grads_as_views and p.grad is not None:
+            p.grad = slot
 
     def unpack(self, reduced: torch.Tensor, unused: set[nn.Parameter]) -> None:
-        """Copy each parameter's slice of the reduced buffer into its ``.grad``."""
+        """Copy each parameter's slice of the reduced buffer into its ``.grad``; with ``grads_as_views``,
+        make ``.grad`` the slot (the reduction ran in place in the buffer: nothing to copy)."""
+        if not self.grads_as_views:
+            for p in self.params:
+                set_grad(p, self.slot(reduced, p), unused)
+            return
+        if reduced.data_ptr() != self.buffer.data_ptr():  # a hook that returned a new tensor
+            self.buffer.copy_(reduced)
         for p in self.params:
-            set_grad(p, self.slot(reduced, p), unused)
+            if p not in unused:
+                p.grad = self.slot(self.buffer, p)
 
 
 class BucketedDDP(DataParallel):
-    """Version 2: at the end of backward, copy the gradients into buckets and all-reduce bucket by bucket."""
+    """Version 2: at the end of backward, copy the gradients into buckets and all-reduce bucket by bucket.
+
+    ``gradient_as_bucket_view=True`` (as in torch DDP) makes each ``.grad`` a view of its bucket after the
+    first averaging backward pass, which removes the second copy of the gradients."""
 
     def __init__(
         self,
@@ -364,14 +391,19 @@ class BucketedDDP(DataParallel):
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         forward_sync_buffers: bool = True,
         find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
     ):
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
             raise ValueError(
                 f"bucket_cap_mb must be a positive number of MiB (torch's default is 25), got {bucket_cap_mb!r}"
             )
+        if not isinstance(gradient_as_bucket_view, bool):
+            raise ValueError(f"gradient_as_bucket_view must be True or False, got {gradient_as_bucket_view!r}")
         super().__init__(module, process_group, forward_sync_buffers=forward_sync_buffers,
                          find_unused_parameters=find_unused_parameters)  # fmt: skip
-        self.buckets = [Bucket(i, ps) for i, ps in enumerate(assign_buckets(self.params, int(bucket_cap_mb * MIB)))]
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        groups = assign_buckets(self.params, int(bucket_cap_mb * MIB))
+        self.buckets = [Bucket(i, ps, grads_as_views=gradient_as_bucket_view) for i, ps in enumerate(groups)]
         self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
         self.next_bucket = 0  # buckets launch in index order on every rank, so the collectives match up
 
