@@ -237,8 +237,7 @@ def profile_steps(
     ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
     def ddp_step() -> None:
-        ddp(x, y)[1].backward()  # each bucket's all-reduce starts as soon as its gradients are ready
-        ddp.sync_gradients()
+        ddp(x, y)[1].backward()  # each bucket's all-reduce starts as soon as its gradients are ready, and is done
         ddp_optimizer.step()
         ddp_optimizer.zero_grad()
 

@@ -102,8 +102,7 @@ def parity_lab(
             elif layout.startswith("dp2"):
                 rows = slice(rank * batch_size // 2, (rank + 1) * batch_size // 2)
                 _, local = ddp(x[rows], y[rows])
-                local.backward()
-                ddp.sync_gradients()
+                local.backward()  # averaged over the ranks by the time it returns, as torch DDP's
                 if layout != "dp2":  # BROKEN: undo DDP's division, leaving the sum of the ranks' gradients
                     for p in model.parameters():
                         p.grad.mul_(world)
