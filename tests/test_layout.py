@@ -59,7 +59,7 @@ def _imports(path: Path, module: str, *, type_checking: bool = False) -> set[str
 LAYERS = {
     "foundations": set(
         "configs compat citations accounting measure precision tokenizer data comm system calibration planner "
-        "cluster_accounting plots parity".split()
+        "cluster_accounting plots parity scaling".split()
     ),
     "model": {"model", "moe", "llama", "mtp", "attention", "flash", "positions", "embeddings", "generate", "losses"},
     "parallel": {"parallel"},
