@@ -4,18 +4,30 @@ One launch of 8 ranks runs every case: groups of the first 2, 3, 4 and 8 ranks (
 exercised too), tensor sizes divisible and not divisible by the group size.
 """
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from scalebook.comm import LaunchError, count_traffic, launch
-from scalebook.comm.collectives import ALL_REDUCES, ring_all_gather, ring_chunk_sizes, ring_reduce_scatter
+from scalebook.comm.collectives import (
+    ALL_REDUCES,
+    binary_tree,
+    double_binary_tree,
+    double_tree_all_reduce,
+    double_tree_schedule,
+    ring_all_gather,
+    ring_chunk_sizes,
+    ring_reduce_scatter,
+)
 from scalebook.experiments.collectives import (
     all_reduce_with_a_failing_rank,
     compare_all_reduces,
     labelled_tensor,
     run_every_collective,
     seeded_inputs,
+    time_small_all_reduces,
 )
 
 GROUP_SIZES = (2, 3, 4, 8)
@@ -64,6 +76,19 @@ def check_every_all_reduce():
                     "bytes_sent": traffic.bytes_sent(),
                     "messages": traffic.count("send", "isend"),
                 }
+        # The double tree pipelined in chunks of 10 floats (40 B): 51 chunks for each half of 1001 elements.
+        for integers in (False, True):
+            xs = _inputs(k, 1001, seed=7 * k, integers=integers)
+            reference = xs[rank].clone()
+            dist.all_reduce(reference, group=group)
+            t = xs[rank].clone()
+            with count_traffic() as traffic:
+                double_tree_all_reduce(t, group=group, chunk_bytes=40)
+            report[(k, "pipelined", integers)] = {
+                "bitwise": torch.equal(t, reference),
+                "within_bound": bool(((t - reference).abs() <= 2 * (k - 1) * U * torch.stack(xs).abs().sum(0)).all()),
+                "messages": traffic.count("send", "isend"),
+            }  # fmt: skip
         # The two phases alone, against gloo's reduce-scatter and all-gather (equal chunks: 2k * 64 elements).
         numel = 2 * k * 64
         xs = _inputs(k, numel, seed=k, integers=False)
@@ -90,6 +115,11 @@ def check_every_all_reduce():
     # The chapter's workers, on all 8 ranks of the same launch.
     report["every_collective"] = run_every_collective(0.01)
     report["compare"] = compare_all_reduces(6, seed=3)["float"]
+    report["timing"] = time_small_all_reduces((4, 64), rounds=2)
+    try:
+        time_small_all_reduces((4,), algorithms=("butterfly",))
+    except ValueError as error:
+        report["timing_error"] = str(error)
     return report
 
 
@@ -118,7 +148,7 @@ def test_ring_all_reduce_is_bitwise_equal_to_gloo_even_for_random_floats(reports
 
 
 @pytest.mark.parametrize("k", GROUP_SIZES)
-@pytest.mark.parametrize("name", ["tree", "naive"])
+@pytest.mark.parametrize("name", ["tree", "double_tree", "naive"])
 def test_tree_and_naive_are_exact_on_integers_and_within_rounding_on_floats(reports, k, name):
     # Integer-valued floats below 2^24 add exactly in any order. Random floats are summed in another
     # order than gloo's ring: each of the two results is within (k - 1) u sum|x| of the exact sum.
@@ -160,6 +190,86 @@ def test_tree_sends_whole_messages_along_the_binomial_tree(reports, k, whole_mes
     sent = {rank: value["bytes_sent"] for rank, _, value in _cases(reports, k=k, numel=numel, name="tree")}
     assert sent == {rank: 4 * numel * m for rank, m in enumerate(whole_messages)}
     assert sum(whole_messages) == 2 * (k - 1)  # the same total volume as the ring
+
+
+@pytest.mark.parametrize(
+    "k, halves_sent",
+    [
+        # Halves of the message each rank sends: one up to its parent and one down to each child, per tree.
+        # k = 2: 0 -> 1 and 1 -> 0. k = 3: 0 -> 2 -> 1 and its shift 1 -> 0 -> 2. k = 4: 0 -> 2 -> {1, 3} and
+        # its mirror 3 -> 1 -> {2, 0}. k = 8: 0 -> 4 -> {2, 6}, 2 -> {1, 3}, 6 -> {5, 7} and its mirror.
+        (2, [2, 2]),
+        (3, [3, 2, 3]),
+        (4, [2, 4, 4, 2]),
+        (8, [2, 4, 4, 4, 4, 4, 4, 2]),
+    ],
+)
+def test_double_tree_sends_half_messages_along_both_trees(reports, k, halves_sent):
+    numel = 2 * k * 64
+    cases = list(_cases(reports, k=k, numel=numel, name="double_tree"))
+    assert {rank: v["bytes_sent"] for rank, _, v in cases} == {r: 2 * numel * h for r, h in enumerate(halves_sent)}
+    assert {rank: v["messages"] for rank, _, v in cases} == dict(enumerate(halves_sent))  # one chunk per half
+    assert max(halves_sent) <= 4  # at most 2 M from any rank; on average the ring's 2 (k - 1)/k M:
+    assert sum(halves_sent) == 4 * (k - 1)
+
+
+@pytest.mark.parametrize("k", GROUP_SIZES)
+def test_pipelined_double_tree_matches_gloo_chunk_by_chunk(reports, k):
+    for rank in range(k):
+        floats, integers = reports[rank][(k, "pipelined", False)], reports[rank][(k, "pipelined", True)]
+        assert integers["bitwise"] and floats["within_bound"], (k, rank)
+        # Every rank sends each chunk of each half at least once (up, or down from a root): 51 + 50 chunks.
+        assert integers["messages"] >= 51 + 50
+
+
+def test_binary_tree_is_nccls_drawing():
+    # The tree drawn in NCCL's src/graph/trees.cc for 14 ranks: 0 - 8; 8 -> 4, 12; 4 -> 2, 6; 12 -> 10, 13; ...
+    assert binary_tree(14) == [(-1, (8,)), (2, ()), (4, (1, 3)), (2, ()), (8, (2, 6)), (6, ()), (4, (5, 7)), (6, ()),
+                               (0, (4, 12)), (10, ()), (12, (9, 11)), (10, ()), (8, (10, 13)), (12, ())]  # fmt: skip
+    # And its mirror for 12 ranks, drawn there too: 11 - 3; 3 -> 7, 1; 7 -> 9, 5; 1 -> 2, 0; 5 -> 6, 4; 9 -> 10, 8.
+    second = double_binary_tree(12)[1]
+    assert second[11] == (-1, (3,)) and second[3] == (11, (7, 1)) and second[7] == (3, (9, 5))
+    assert second[1] == (3, (2, 0)) and second[5] == (7, (6, 4)) and second[9] == (7, (10, 8))
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        binary_tree(0)
+
+
+@pytest.mark.parametrize("n", range(1, 33))
+def test_double_binary_tree_spans_every_rank_and_splits_the_work(n):
+    for tree in double_binary_tree(n):
+        roots = [r for r, (parent, _) in enumerate(tree) if parent < 0]
+        assert len(roots) == 1
+        reached, frontier = set(roots), list(roots)
+        while frontier:
+            rank = frontier.pop()
+            for child in tree[rank][1]:
+                assert tree[child][0] == rank and child not in reached  # a tree: one parent each, no cycles
+                reached.add(child)
+                frontier.append(child)
+        assert reached == set(range(n)) and all(len(children) <= 2 for _, children in tree)
+    interior = [{r for r, (_, children) in enumerate(tree) if children} for tree in double_binary_tree(n)]
+    if n % 2 == 0:  # every rank a leaf in one tree and interior in the other
+        assert interior[0] | interior[1] == set(range(n)) and not interior[0] & interior[1]
+    elif n > 1:  # odd: the shift leaves rank 0 interior in both
+        assert interior[0] & interior[1] == {0}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 12, 16, 64])
+@pytest.mark.parametrize("chunks", [1, 5])
+def test_double_tree_takes_2_log2_n_rounds_plus_one_per_extra_chunk(n, chunks):
+    # Rounds are what the latency term counts: 2 ceil(log2 n) for one chunk (the ring: 2 (n - 1)).
+    numel = 2 * 7 * chunks  # two halves of 7 chunks... of 7 elements each
+    schedules = [double_tree_schedule(n, rank, numel, 7) for rank in range(n)]
+    rounds = 1 + max(max(schedule) for schedule in schedules)
+    assert rounds == 2 * math.ceil(math.log2(n)) + chunks - 1
+    # Every send has its receive in the same round, on the other side, in the same (tree, chunk) order.
+    for rank, schedule in enumerate(schedules):
+        for when, transfers in schedule.items():
+            for peer in {m.peer for m in transfers}:
+                sent = [(m.tree, m.chunk, m.start) for m in transfers if m.send and m.peer == peer]
+                received = [(m.tree, m.chunk, m.start) for m in schedules[peer].get(when, [])
+                            if not m.send and m.peer == rank]  # fmt: skip
+                assert sent == received, (n, rank, peer, when)
 
 
 def test_uneven_ring_bytes_match_a_hand_count_of_the_chunks(reports):
@@ -240,6 +350,14 @@ def test_compare_all_reduces_rebuilds_inputs_and_counts_gloo_as_a_ring(reports):
     assert all(torch.equal(r["output"]["ring"], r["output"]["gloo"]) for r in results)
     assert [r["bytes_sent"]["gloo"] for r in results] == [2 * 7 / 8 * 24] * 8  # assumed, not measured
     assert [r["messages"]["gloo"] for r in results] == [None] * 8
+
+
+def test_small_message_timing_agrees_on_every_rank(reports):
+    timings = [report["timing"] for report in reports]
+    assert all(t["seconds"] == timings[0]["seconds"] for t in timings)  # the slowest rank's time, on every rank
+    assert sorted(timings[0]["seconds"]) == ["double_tree", "ring"]
+    assert all(len(best) == 2 and all(0 < s < 5 for s in best) for best in timings[0]["seconds"].values())
+    assert len(timings[0]["load"]) == 2 and "need algorithms from" in reports[0]["timing_error"]
 
 
 def test_a_failing_rank_fails_the_launch_with_its_message():

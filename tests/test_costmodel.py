@@ -1,4 +1,5 @@
-"""The alpha-beta fit recovers known latencies and bandwidths; published links give hand-checked predictions."""
+"""The alpha-beta fit recovers known latencies and bandwidths; published links give hand-checked predictions; the
+double binary tree's model and the rail-optimized fat tree of a 1,024-GPU cluster are checked by hand."""
 
 import random
 
@@ -6,7 +7,16 @@ import pytest
 import torch.distributed as dist
 
 from scalebook.comm import launch
-from scalebook.comm.costmodel import AlphaBeta, fit_alpha_beta, link_latency, link_model, time_all_reduce
+from scalebook.comm.costmodel import (
+    AlphaBeta,
+    double_tree_max_send_share,
+    double_tree_time,
+    fit_alpha_beta,
+    link_latency,
+    link_model,
+    time_all_reduce,
+)
+from scalebook.comm.topology import RailOptimizedFatTree
 
 SIZES = [2**k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 
@@ -101,3 +111,48 @@ def test_time_all_reduce_measures_each_algorithm_on_real_ranks():
         assert list(results[0][name]) == [2]
         assert len(results[0][name][2]) == 2 and all(0 < t < 5 for t in results[0][name][2])
     assert "algorithm must be 'library' or one of" in results[0]["error"]
+
+
+def test_double_tree_time_by_hand():
+    # 1,024 ranks on NDR (14.0 us per hop, 50 GB/s): 2 log2 1024 = 20 latencies, and the busiest rank sends 2 M.
+    ndr = link_model("infiniband-ndr")
+    assert ndr.time("all_reduce", 350e9, 1024, algorithm="double_tree") == pytest.approx(20 * 14.0e-6 + 14.0, rel=1e-12)
+    # A 1 KB all-reduce: the ring pays 2 * 1023 latencies (28.6 ms), the double tree 20 (0.28 ms).
+    assert ndr.time("all_reduce", 1e3, 1024) / ndr.time("all_reduce", 1e3, 1024, algorithm="double_tree") > 100
+    # Two ranks: each sends its half up one tree and the other half down the other, M in all, like the ring.
+    assert double_tree_time(1e9, 2, alpha=0.0, bandwidth=1e9) == pytest.approx(1.0)
+    assert [double_tree_max_send_share(n) for n in (1, 2, 3, 4, 8, 1024)] == [0, 1, 1.5, 2, 2, 2]
+    with pytest.raises(ValueError, match="all-reduce algorithm here"):
+        ndr.time("all_gather", 1e6, 8, algorithm="double_tree")
+
+
+def test_rail_optimized_fat_tree_of_1024_h100s_by_hand():
+    # 128 nodes x 8 NICs of 400 Gb/s; leaves of 32 ports down, spines of 64 ports.
+    fabric = RailOptimizedFatTree(nodes=128, rails=8, nic_bandwidth=50e9)
+    assert (fabric.endpoints, fabric.leaves_per_rail, fabric.leaves, fabric.leaf_up_ports) == (1024, 4, 32, 32)
+    assert fabric.spines == 32 * 32 // 64 == 16
+    assert fabric.bisection_bandwidth == 1024 * 50e9 / 2 == 25.6e12
+    oversubscribed = RailOptimizedFatTree(nodes=128, rails=8, nic_bandwidth=50e9, oversubscription=2)
+    assert (oversubscribed.leaf_up_ports, oversubscribed.spines, oversubscribed.bisection_bandwidth) == (16, 8, 12.8e12)
+
+
+@pytest.mark.parametrize("oversubscription", [1, 2, 4])
+def test_rail_aligned_rings_keep_line_rate_and_rail_crossing_rings_lose_the_oversubscription(oversubscription):
+    fabric = RailOptimizedFatTree(nodes=128, rails=8, nic_bandwidth=50e9, oversubscription=oversubscription)
+    # Aligned: one flow leaves each leaf (after its 32nd node), far below its 32 / r uplinks.
+    assert fabric.ring_hop_bandwidth(rail_aligned=True) == 50e9
+    # Crossing rails: all 32 nodes of a leaf send through the spine, on 32 / r uplinks: 50 GB/s / r each.
+    assert fabric.ring_hop_bandwidth(rail_aligned=False) == 50e9 / oversubscription
+    # Bus bandwidth per GPU: 8 channels, one per NIC, capped by NVLink 4's 450 GB/s per direction.
+    assert fabric.all_reduce_bus_bandwidth(nvlink_bandwidth=450e9) == 400e9
+    assert fabric.all_reduce_bus_bandwidth(rail_aligned=False, nvlink_bandwidth=450e9) == 400e9 / oversubscription
+
+
+def test_small_fabrics_and_bad_layouts():
+    # 32 nodes fill one leaf per rail: an aligned ring never leaves it; a crossing one uses all 16 uplinks at 2:1.
+    one_leaf = RailOptimizedFatTree(nodes=32, rails=8, nic_bandwidth=50e9, oversubscription=2)
+    assert one_leaf.ring_hop_bandwidth() == 50e9 and one_leaf.ring_hop_bandwidth(rail_aligned=False) == 25e9
+    with pytest.raises(ValueError, match="divisible by the oversubscription"):
+        RailOptimizedFatTree(nodes=8, rails=8, nic_bandwidth=50e9, oversubscription=3)
+    with pytest.raises(ValueError, match="nodes must be a positive integer"):
+        RailOptimizedFatTree(nodes=0, rails=8, nic_bandwidth=50e9)

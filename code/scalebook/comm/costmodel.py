@@ -20,14 +20,19 @@ a training step (:mod:`scalebook.system.hardware`), which also adds NCCL's base 
 charges the network's latency only at the ring steps that leave a node; the alpha-beta model here, one link
 kind per ring, leaves both out.
 
+NCCL's double binary tree (:func:`double_tree_time`) trades the ring's ``2 (n - 1)`` latencies for
+``2 log2 n``, at up to twice the ring's bytes on the busiest rank: NCCL's own tuning model charges its tree the
+same, a bandwidth half the bus bandwidth (``ratio = .5`` against the ring's ``n / (2 (n - 1))``).
+
 Source: Hockney 1994, "The communication challenge for MPP: Intel Paragon and Meiko CS-2" (alpha-beta);
 Thakur, Rabenseifner and Gropp 2005, "Optimization of Collective Communication Operations in MPICH";
-NVIDIA NCCL ``src/graph/tuning.cc`` (``hwLat``, ring/Simple) and nccl-tests ``doc/PERFORMANCE.md`` (bus
-bandwidth).
+NVIDIA NCCL ``src/graph/tuning.cc`` (``hwLat``, ring/Simple; the tree's bandwidth ratio and its latency
+``2 log2(nodes)`` network hops) and nccl-tests ``doc/PERFORMANCE.md`` (bus bandwidth).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -38,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from scalebook.accounting.comm import alpha_beta_time
-from scalebook.comm.collectives import ALL_REDUCES, library_all_reduce
+from scalebook.comm.collectives import ALL_REDUCES, double_binary_tree, library_all_reduce
 from scalebook.configs import get_link
 from scalebook.system.hardware import NCCL_NETWORK_LATENCY, NCCL_NVLINK_LATENCY
 
@@ -61,9 +66,47 @@ class AlphaBeta:
         return 1.0 / self.bandwidth
 
     def time(self, op: str, message_bytes: float, n: int, *, algorithm: str = "ring") -> float:
-        """Predicted seconds for ``op`` on an ``M``-byte message over ``n`` ranks."""
+        """Predicted seconds for ``op`` on an ``M``-byte message over ``n`` ranks (``algorithm="double_tree"``:
+        :func:`double_tree_time`, all-reduce only)."""
+        if algorithm == "double_tree":
+            if op != "all_reduce":
+                raise ValueError(f"the double binary tree is an all-reduce algorithm here, not {op!r}")
+            return double_tree_time(message_bytes, n, alpha=self.alpha, bandwidth=self.bandwidth)
         return alpha_beta_time(op, message_bytes, n, alpha=self.alpha, bandwidth=self.bandwidth,
                                algorithm=algorithm)  # fmt: skip
+
+
+def double_tree_max_send_share(n: int) -> float:
+    """The most any rank sends in a double-binary-tree all-reduce, as a multiple of its message ``M``.
+
+    In each tree a rank sends its half (``M / 2``) once up to its parent and once down to each child; a rank
+    that is interior, with two children, in one tree and a leaf in the other sends ``3 M / 2 + M / 2 = 2 M``
+    (every rank, for ``n`` a power of two from 4 on). The mean over ranks is the ring's ``2 (n - 1) / n M``.
+    """
+    trees = double_binary_tree(n)
+    return max(sum((tree[r][0] >= 0) + len(tree[r][1]) for tree in trees) for r in range(n)) / 2
+
+
+def double_tree_time(message_bytes: float, n: int, *, alpha: float, bandwidth: float) -> float:
+    """Seconds for a pipelined double-binary-tree all-reduce of ``M`` bytes over ``n`` ranks:
+
+        T = 2 ceil(log2 n) alpha + S M beta,   S = double_tree_max_send_share(n)  (2 for n >= 4, powers of two)
+
+    against the ring's ``2 (n - 1) alpha + 2 (n - 1) / n M beta``. Assumed: one rank per NIC and full-duplex
+    links (as for the ring); the message is cut into many chunks that follow each other up and down the trees,
+    so a chunk's latency is paid once per level on the way up and once on the way down (``alpha`` is a delay,
+    not a time the link is busy) and the fill and drain of the pipeline add little; the busiest rank's sends
+    set the bandwidth term; additions are free. For one chunk (small messages) the from-scratch
+    :func:`scalebook.comm.collectives.double_tree_all_reduce` runs ``2 log2 n`` rounds, the latency term.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a number of ranks >= 1, got {n!r}")
+    if message_bytes < 0 or alpha < 0 or bandwidth <= 0:
+        raise ValueError(f"need message_bytes >= 0, alpha >= 0 and bandwidth > 0; got {message_bytes}, {alpha}, "
+                         f"{bandwidth}")  # fmt: skip
+    if n == 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * alpha + double_tree_max_send_share(n) * message_bytes / bandwidth
 
 
 def _coefficients(op: str, message_bytes: float, n: int, algorithm: str) -> tuple[float, float]:

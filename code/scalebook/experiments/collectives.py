@@ -1,5 +1,6 @@
 """Chapter 9's experiments on collectives: every library collective run once on labelled data, the
-from-scratch all-reduces compared with gloo's, and a rank that fails inside a collective.
+from-scratch all-reduces compared with gloo's, the ring and the double binary tree timed on small messages,
+and a rank that fails inside a collective.
 
 Each worker runs on the ranks of :func:`scalebook.comm.launch` and returns plain data for the notebook to
 draw. The algorithms themselves are library code, in :mod:`scalebook.comm.collectives`.
@@ -118,9 +119,10 @@ def compare_all_reduces(numel: int, *, seed: int = 0) -> dict:
     Rank ``r``'s inputs are drawn from ``seed + r`` (:func:`seeded_inputs`), so any process can rebuild every
     rank's input. Returns ``{kind: {"input": tensor, "output": {name: tensor}, "bytes_sent": {name: bytes},
     "messages": {name: sends}}}`` for kinds ``float`` (standard normal) and ``integer`` (whole numbers in
-    [-1000, 1000)), names ``gloo``, ``ring``, ``tree``, ``naive``. The from-scratch algorithms' bytes and
-    messages are measured sends; gloo's bytes are what :func:`scalebook.comm.traffic.count_traffic` assumes for a
-    library all-reduce (the ring's volume), and its messages are not visible (None).
+    [-1000, 1000)), names ``gloo``, ``ring``, ``tree``, ``double_tree``, ``naive``. The from-scratch
+    algorithms' bytes and messages are measured sends; gloo's bytes are what
+    :func:`scalebook.comm.traffic.count_traffic` assumes for a library all-reduce (the ring's volume), and its
+    messages are not visible (None).
     """
     rank = dist.get_rank()
     runs = {"gloo": library_all_reduce, **ALL_REDUCES}
@@ -136,6 +138,47 @@ def compare_all_reduces(numel: int, *, seed: int = 0) -> dict:
             result["bytes_sent"][name] = traffic.bytes_sent()
             result["messages"][name] = None if name == "gloo" else traffic.count("send", "isend")
     return report
+
+
+def time_small_all_reduces(
+    message_bytes: tuple[int, ...] = (4, 4096),
+    *,
+    rounds: int = 30,
+    algorithms: tuple[str, ...] = ("ring", "double_tree"),
+) -> dict:
+    """Best-of-``rounds`` seconds of each from-scratch all-reduce on float32 messages of ``message_bytes``.
+
+    The comparison is interleaved: every round times each algorithm once per size, in an order that alternates
+    from round to round, so that a burst of load on the machine hits all of them alike; each call starts after
+    a barrier and counts as long as its slowest rank took. Returns ``{"seconds": {algorithm: [best per size]},
+    "load": (1-minute load average before, after)}`` (the load read on each rank; equal on one machine).
+    """
+    unknown = [name for name in algorithms if name not in ALL_REDUCES]
+    if unknown or rounds < 1 or any(m < 4 or m % 4 for m in message_bytes):
+        raise ValueError(f"need algorithms from {sorted(ALL_REDUCES)}, rounds >= 1 and sizes that are positive "
+                         f"multiples of 4 bytes; got {list(algorithms)}, {rounds}, {list(message_bytes)}")  # fmt: skip
+    load_before = os.getloadavg()[0]
+    elapsed = torch.zeros(len(algorithms), len(message_bytes), rounds, dtype=torch.float64)
+    for i in range(rounds):
+        order = list(enumerate(algorithms))
+        for j, size in enumerate(message_bytes):
+            for a, name in order if i % 2 == 0 else reversed(order):
+                buffer = torch.ones(size // 4)
+                dist.barrier()
+                start = time.perf_counter()
+                ALL_REDUCES[name](buffer)
+                elapsed[a, j, i] = time.perf_counter() - start
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # each call lasted as long as its slowest rank
+    best = elapsed.min(dim=2).values
+    return {"seconds": {name: best[a].tolist() for a, name in enumerate(algorithms)},
+            "load": (load_before, os.getloadavg()[0])}  # fmt: skip
+
+
+def compare_and_time_all_reduces(numel: int, *, seed: int = 0, message_bytes=(4, 4096), rounds: int = 30) -> dict:
+    """:func:`compare_all_reduces`, then :func:`time_small_all_reduces`, in one launch (one start-up for both):
+    ``{"compare": ..., "timing": ...}``."""
+    return {"compare": compare_all_reduces(numel, seed=seed),
+            "timing": time_small_all_reduces(tuple(message_bytes), rounds=rounds)}  # fmt: skip
 
 
 def _seeded_input(numel: int, seed: int, integers: bool) -> torch.Tensor:
