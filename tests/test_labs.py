@@ -31,7 +31,7 @@ def _ranks_alive() -> set[int]:
 
 @pytest.fixture(scope="module")
 def results():
-    """One launch on 2 ranks runs the fixed hang worker and labs 2, 3 and 4."""
+    """One launch on 2 ranks runs the fixed hang worker and labs 2, 3, 4 and 9."""
     return launch(
         run_experiments,
         2,
@@ -39,6 +39,7 @@ def results():
         accumulation=(labs.accumulation_lab, {"steps": 2}),
         no_sync=(labs.no_sync_lab, {"steps": 2}),
         randomness=(labs.randomness_lab, {}),
+        sdc=(labs.sdc_lab, {}),
         timeout=120,
     )
 
@@ -175,3 +176,74 @@ def test_step_times_and_flight_recorder_name_the_slow_rank_and_find_none_without
 def test_slow_rank_lab_refuses_a_rank_that_does_not_exist():
     with pytest.raises(ValueError, match="slow_rank must be one of the 2 ranks"):
         labs.diagnose_slow_rank(world_size=2, slow_rank=2)
+
+
+def test_flip_bit_flips_exactly_one_bit_of_a_float32():
+    t = torch.tensor([1.0, 1.0, 1.0, 3.0])
+    # 1.0 is 0x3F800000: bit 23 is the exponent's lowest (1.0 -> 0.5), bit 31 the sign, bit 0 the mantissa's last.
+    assert labs.flip_bit(t, 0, 23) == (1.0, 0.5)
+    assert labs.flip_bit(t, 1, 31) == (1.0, -1.0)
+    assert labs.flip_bit(t, 2, 0) == (1.0, 1.0 + 2.0**-23)
+    assert t.tolist() == [0.5, -1.0, 1.0 + 2.0**-23, 3.0]
+    with pytest.raises(ValueError, match="float32"):
+        labs.flip_bit(t.double(), 0, 1)
+
+
+def test_a_bit_flip_after_the_all_reduce_shows_in_checksums_and_recomputation_names_rank_and_step(results):
+    runs = [r["sdc"] for r in results]
+    after, before, clean = (runs[0][v] for v in labs.SDC_VARIANTS)
+    # Planted on rank 1 at step 2 (sdc_lab's defaults): the replicas part at that step, and only then.
+    assert after["checksum_step"] == 2 and after["blamed"] == [(1, 2)]
+    # A flip before the all-reduce is averaged into both replicas: checksums agree; recomputation still names it.
+    assert before["checksum_step"] is None and before["blamed"] == [(1, 2)]
+    assert clean["checksum_step"] is None and clean["blamed"] == []
+    old, new = runs[1][labs.SDC_VARIANTS[0]]["flip"]
+    assert new in (2 * old, old / 2)  # bit 23, the exponent's lowest bit: a factor of 2, not an inf or a NaN
+    # Silent: every loss of the faulty runs within 1e-3 of the clean run's (the flip changes one update element).
+    for broken in (after, before):
+        assert max(abs(a - b) for a, b in zip(broken["losses"], clean["losses"], strict=True)) < 1e-3
+
+
+def test_blame_prefers_the_rank_whose_local_gradient_changed():
+    healthy, local_and_reduced, reduced_only = (False, False), (True, True), (False, True)
+    assert labs.blame([[healthy, healthy], [reduced_only, local_and_reduced]]) == [(1, 1)]  # flip before
+    assert labs.blame([[healthy, reduced_only]]) == [(1, 0)]  # flip after the all-reduce
+    assert labs.blame([[healthy, healthy]]) == []
+
+
+@pytest.fixture(scope="module")
+def stability():
+    return labs.stability_lab()
+
+
+def test_find_spikes_flags_a_jump_above_the_running_median_and_not_noise():
+    calm = [3.0, 3.2, 2.9, 3.1, 3.0, 3.3, 2.8, 3.1]
+    assert labs.find_spikes(calm + [3.4, 6.0, 3.1]) == [9]  # 3.4 is within the 1-nat margin, 6.0 is not
+    assert labs.find_spikes(calm + [float("nan")]) == [8]
+    assert labs.find_spikes(calm) == []
+    with pytest.raises(ValueError, match="window >= 2"):
+        labs.find_spikes(calm, window=1)
+
+
+def test_a_learning_rate_raised_too_far_spikes_and_the_detector_finds_it(stability):
+    broken = stability["broken: learning rate raised too far"]
+    assert broken["spikes"][0] == 13  # the loss after the first step at spike_lr (calm_steps = 12)
+    # Lowering the learning rate, or rewinding once with a lower one, removes the spike from the run.
+    assert stability["fixed: lower learning rate"]["spikes"] == []
+    rewound = stability["fixed: rewind, skip and lower the learning rate"]
+    assert rewound["spikes"] == [] and rewound["rewinds"] == [13] and len(rewound["losses"]) == 28
+    # Rewinding without lowering the rate meets the spike again each time, gives up after 3, and spikes.
+    again = stability["rewind and skip only"]
+    assert len(again["rewinds"]) == 3 and again["spikes"]
+
+
+def test_qk_norm_bounds_the_attention_logits_but_does_not_remove_a_learning_rate_spike(stability):
+    broken, qk, z = (stability[v] for v in ("broken: learning rate raised too far", "QK-norm", "z-loss"))
+    # LayerNormed queries and keys: |q.k|/sqrt(d) <= sqrt(d) * gain^2 = 5.7 at init (d = 32); measured about 8.
+    assert max(qk["max_attention_logit"]) < 20 < 100 < max(broken["max_attention_logit"])
+    assert qk["spikes"] and z["spikes"]  # the cause here is the step size, not the logits
+
+
+def test_stability_runs_are_deterministic():
+    first, second = (labs.train_through_spike(steps=14) for _ in range(2))
+    assert first == second
