@@ -1,7 +1,10 @@
 """Pipeline parallelism: stages as slices of the GPT, schedules and their closed forms, a point-to-point plan
 that pairs under NCCL's rules, and runs that match the unpartitioned model and torch.distributed.pipelining."""
 
+import contextlib
 import copy
+import dataclasses
+import itertools
 import statistics
 
 import pytest
@@ -273,6 +276,9 @@ def test_invalid_layouts_raise_before_any_process_starts(monkeypatch):
         (2, [PipelineRun("1f1b", 4, emulate=(0.01,))], "emulate must be .forward seconds, backward seconds."),
         (2, [PipelineRun("1f1b", 4, repeats=0)], "repeats must be an integer >= 1"),
         (2, [PipelineRun("1f1b", 4, activation_checkpointing="yes")], "activation_checkpointing must be True or False"),
+        (2, [PipelineRun("1f1b", 4, overlap_p2p=1)], "overlap_p2p must be True or False"),
+        (2, [PipelineRun("1f1b", 4, stand_in_width=0)], "stand_in_width must be a positive integer"),
+        (2, [PipelineRun("1f1b", 4, stand_in_width=8, compare_torch=True)], "stand-in stages have no"),
     ]
     for pp_size, runs, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -330,15 +336,20 @@ def test_two_stages_match_unpartitioned_model_and_torch_pipelining():
     assert min(excess) >= -0.01 and statistics.median(excess) <= 0.05, excess
 
 
-def test_four_stages_match_unpartitioned_model_and_torch_pipelining():
+def test_four_stages_match_unpartitioned_model_and_torch_pipelining_with_and_without_overlapped_transfers():
     x, y = _batch()
     # Every schedule once (the interleaved one with two rounds of micro-batches), and uneven stages; which
     # message pairs with which is checked for many more layouts by the NCCL-rules test above.
     runs = [PipelineRun("gpipe", 4, compare_torch=True), PipelineRun("1f1b", 4, compare_torch=True),
             PipelineRun("interleaved", 8, 2, compare_torch=True),
             PipelineRun("1f1b", 8, layers_per_stage=(1, 3, 3, 1), compare_torch=True)]  # fmt: skip
-    results = ex.run_pipeline(CONFIG, 4, runs, x, y)
-    _check_equivalence_and_counts(results, 4, x)
+    overlapped = [dataclasses.replace(run, compare_torch=False, overlap_p2p=True) for run in runs]
+    results = ex.run_pipeline(CONFIG, 4, runs + overlapped, x, y)
+    _check_equivalence_and_counts(results[: len(runs)], 4, x)
+    # Overlapping changes when a transfer is waited for, not what is computed or sent: bit for bit the same.
+    for blocking, overlap in zip(results[: len(runs)], results[len(runs) :], strict=True):
+        assert overlap.loss == blocking.loss and overlap.bytes_sent == blocking.bytes_sent, overlap.run
+        assert all(torch.equal(overlap.grads[name], g) for name, g in blocking.grads.items()), overlap.run
 
 
 def test_checkpointed_stages_give_the_same_loss_and_gradients_and_save_what_the_formula_says():
@@ -370,11 +381,25 @@ def test_checkpointed_stages_give_the_same_loss_and_gradients_and_save_what_the_
     assert checkpointed.peak_activation_bytes == [recomputed[r].activations + outside[r] for r in range(2)]
 
 
+class _TrackedWork:
+    """A request that remembers whether the runtime waited for it."""
+
+    def __init__(self, work, posted):
+        self.work, self.waited = work, False
+        posted.append(self)
+
+    def wait(self):
+        assert not self.waited, "a request waited for twice (gloo would wait for a second message)"
+        self.waited = True
+        return self.work.wait()
+
+
 def _batched_p2p_only_worker(x, y):
-    """Run every schedule with point-to-point calls allowed only inside batch_isend_irecv, all with tag 0;
-    return the losses, and the errors of a direct isend and of stages that do not fit the schedule."""
+    """Run every schedule, blocking and overlapped, with point-to-point calls allowed only inside
+    batch_isend_irecv, all with tag 0; return the losses with the most transfers a forward or backward
+    started with still unwaited-for, and the errors of a direct isend and of stages that do not fit."""
     direct = {name: getattr(c10d, name) for name in ("send", "recv", "isend", "irecv")}
-    batch_isend_irecv, inside = c10d.batch_isend_irecv, []
+    batch_isend_irecv, inside, posted = c10d.batch_isend_irecv, [], []
 
     def guarded(name):
         def call(*args, **kwargs):
@@ -388,9 +413,17 @@ def _batched_p2p_only_worker(x, y):
         assert all(op.tag == 0 for op in ops), "a tag was used"
         inside.append(True)
         try:
-            return batch_isend_irecv(ops)
+            return [_TrackedWork(work, posted) for work in batch_isend_irecv(ops)]
         finally:
             inside.pop()
+
+    in_flight = []  # per forward or backward: the transfers posted and not yet waited for
+
+    @contextlib.contextmanager
+    def recorder(phase, action):
+        if phase in ("F", "B"):
+            in_flight.append(sum(not work.waited for work in posted))
+        yield
 
     for name in direct:  # P2POp and batch_isend_irecv compare ops with c10d.isend: one object in both namespaces
         setattr(c10d, name, guarded(name))
@@ -399,10 +432,13 @@ def _batched_p2p_only_worker(x, y):
     group, rank = dist.new_group([0, 1]), dist.get_rank()
     torch.manual_seed(0)
     model, losses = GPT(CONFIG), []
-    for name, v in SCHEDULES:
+    for (name, v), overlap in itertools.product(SCHEDULES, (False, True)):
         schedule = pp.build_schedule(name, 2, 4, v)
-        loss = pp.run_schedule(schedule, ex.build_stages(model, schedule, rank), x, y, group=group)
-        losses.append(None if loss is None else loss.item())
+        in_flight.clear()
+        loss = pp.run_schedule(schedule, ex.build_stages(model, schedule, rank), x, y, group=group,
+                               recorder=recorder, overlap_p2p=overlap)  # fmt: skip
+        assert all(work.waited for work in posted)  # every request waited for once, by the end of the step
+        losses.append((None if loss is None else loss.item(), max(in_flight)))
     errors, schedule = [], pp.build_schedule("1f1b", 2, 4)
     for attempt in (lambda: dist.isend(torch.zeros(1), dst=1 - rank),
                     lambda: pp.run_schedule(schedule, {5: model}, x, y, group=group)):  # fmt: skip
@@ -417,6 +453,10 @@ def test_runtime_communicates_only_through_batch_isend_irecv_without_tags():
     x, y = _batch()
     reference_loss, _ = ex.reference_loss_and_grads(CONFIG, x, y, seed=0)
     (first_losses, first_errors), (last_losses, _) = launch(_batched_p2p_only_worker, 2, x, y)
-    assert first_losses == [None] * 3
-    assert last_losses == pytest.approx([reference_loss] * 3, abs=TOLERANCE)
+    assert [loss for loss, _ in first_losses] == [None] * 6
+    assert [loss for loss, _ in last_losses] == pytest.approx([reference_loss] * 6, abs=TOLERANCE)
+    # Blocking, every transfer is waited for before the next computation; overlapped, every schedule computes
+    # while some are in flight (on both ranks: sends not waited for, receives posted ahead).
+    for losses in (first_losses, last_losses):
+        assert [n for _, n in losses[0::2]] == [0] * 3 and all(n > 0 for _, n in losses[1::2]), losses
     assert first_errors == ["dist.isend called outside batch_isend_irecv", "rank 0 holds stages [0], got stages [5]"]

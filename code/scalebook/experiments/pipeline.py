@@ -10,7 +10,9 @@ process. :func:`run_pipeline` runs schedules for real on P local ranks with the 
 backward and wait for messages, counts the activations the autograd graph holds (``saved_tensors_hooks``),
 and can pad every forward and backward to a fixed duration, as a GPU kernel of known length would take, so
 that a 2-core machine running 4 ranks still shows the schedule's own timing rather than the ranks' fight
-over the cores.
+over the cores. With stand-in stages (:class:`StandInStage`) whose arithmetic is negligible and whose
+activations are as wide as asked, padded timing makes a step whose compute is all emulated and whose
+messages are of real size: what the runtime's ``overlap_p2p`` hides can be measured on CPUs.
 
 Source: Huang et al. 2019, "GPipe"; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
 GPU Clusters Using Megatron-LM", Sec. 2.2; Qi et al. 2024, "Zero Bubble Pipeline Parallelism"; PyTorch
@@ -25,6 +27,7 @@ from collections import Counter
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -248,7 +251,9 @@ class PipelineRun:
     on the machine can only add time, so the fastest repeat is the least disturbed one, as in
     ``timeit``); ``compare_torch`` also runs the same layout with ``torch.distributed.pipelining``;
     ``activation_checkpointing`` makes every stage recompute its blocks in the backward pass
-    (:func:`~scalebook.parallel.pipeline.pipeline_stage`).
+    (:func:`~scalebook.parallel.pipeline.pipeline_stage`); ``overlap_p2p`` runs the runtime with its transfers
+    overlapped (:func:`~scalebook.parallel.pipeline.run_schedule`); ``stand_in_width`` replaces the GPT's
+    stages by :class:`StandInStage` of that width (its loss and gradients are then its own, not the GPT's).
     """
 
     schedule: str
@@ -259,6 +264,8 @@ class PipelineRun:
     repeats: int = 1
     compare_torch: bool = False
     activation_checkpointing: bool = False
+    overlap_p2p: bool = False
+    stand_in_width: int | None = None
 
 
 @dataclass
@@ -312,8 +319,14 @@ def _run_problems(config: GPTConfig, pp: int, run: PipelineRun, batch_size: int)
         problems.append(f"emulate must be (forward seconds, backward seconds) > 0, got {run.emulate!r}")
     if isinstance(run.repeats, bool) or not isinstance(run.repeats, int) or run.repeats < 1:
         problems.append(f"repeats must be an integer >= 1, got {run.repeats!r}")
-    if not isinstance(run.activation_checkpointing, bool):
-        problems.append(f"activation_checkpointing must be True or False, got {run.activation_checkpointing!r}")
+    for flag in ("activation_checkpointing", "overlap_p2p"):
+        if not isinstance(getattr(run, flag), bool):
+            problems.append(f"{flag} must be True or False, got {getattr(run, flag)!r}")
+    width = run.stand_in_width
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
+        problems.append(f"stand_in_width must be a positive integer or None, got {width!r}")
+    if width is not None and (run.compare_torch or run.activation_checkpointing):
+        problems.append("stand-in stages have no torch.distributed.pipelining twin and no blocks to checkpoint")
     return problems
 
 
@@ -390,6 +403,33 @@ def build_stages(
     }  # fmt: skip
 
 
+class StandInStage(nn.Module):
+    """A stage for timing transfers: one weight of ``width`` numbers and almost no arithmetic, with the
+    runtime's interface. The first stage turns token ids (b, s) into (b, s, width) activations, every other
+    multiplies its input by its weight, and the last returns ``(None, loss)``, the mean square of its output.
+    Its parameter is named after its stage (``weight3``), so the stages' gradients merge by name."""
+
+    def __init__(self, width: int, stage: int, n_stages: int):
+        super().__init__()
+        self.config = SimpleNamespace(n_embd=width)
+        self.wte = self.lm_head = None  # no tied embedding to synchronise
+        self.first, self.last = stage == 0, stage == n_stages - 1
+        self.name = f"weight{stage}"
+        self.register_parameter(self.name, nn.Parameter(torch.linspace(0.5, 1.5, width)))
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        h = (x.unsqueeze(-1).float() / 256 if self.first else x) * getattr(self, self.name)
+        return (None, h.square().mean()) if self.last else h
+
+
+def _stages_for(model: GPT, schedule: Schedule, rank: int, run: PipelineRun) -> dict[int, nn.Module]:
+    if run.stand_in_width is not None:
+        return {s: StandInStage(run.stand_in_width, s, schedule.n_stages) for s in schedule.stages_of(rank)}
+    return build_stages(
+        model, schedule, rank, run.layers_per_stage, activation_checkpointing=run.activation_checkpointing
+    )
+
+
 def _grads(stages: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for stage in stages.values() for name, p in stage.named_parameters()}
 
@@ -399,7 +439,7 @@ def _timed_step(schedule: Schedule, stages, inputs, targets, run: PipelineRun, t
     with count_traffic() as traffic:
         dist.barrier()  # a common start for the timestamps of all ranks
         recorder = StepRecorder(stages, schedule.virtual_stages, run.emulate)
-        loss = run_schedule(schedule, stages, inputs, targets, recorder=recorder)
+        loss = run_schedule(schedule, stages, inputs, targets, recorder=recorder, overlap_p2p=run.overlap_p2p)
         for stage in stages.values():
             sync_tied_embedding(stage, tied_group)
     return loss, recorder, traffic
@@ -416,11 +456,12 @@ def _pipeline_worker(config_dict: dict, runs: list[PipelineRun], inputs, targets
         if run.emulate is not None:
             # An untimed step on throwaway stages first: the first messages between two ranks and the
             # first allocations of each shape cost extra, once, and would distort the timeline.
-            run_schedule(schedule, build_stages(model, schedule, rank, run.layers_per_stage), inputs, targets)
+            run_schedule(
+                schedule, _stages_for(model, schedule, rank, run), inputs, targets, overlap_p2p=run.overlap_p2p
+            )
         attempts = []
         for _ in range(run.repeats):
-            stages = build_stages(model, schedule, rank, run.layers_per_stage,
-                                  activation_checkpointing=run.activation_checkpointing)  # fmt: skip
+            stages = _stages_for(model, schedule, rank, run)
             loss, recorder, traffic = _timed_step(schedule, stages, inputs, targets, run, tied_group)
             finished = torch.tensor([max(e.end for e in recorder.events if e.kind in ("F", "B"))])
             dist.all_reduce(finished, op=dist.ReduceOp.MAX)  # every rank keeps the same repeat

@@ -25,12 +25,15 @@ function of (P, M, v), so it can be printed, simulated and checked before any pr
 ranks are ranks of that group, so a pipeline can live inside a DP x TP x PP mesh). Activations travel
 forward and their gradients backward through ``torch.distributed.batch_isend_irecv``, never through tags:
 NCCL ignores tags and pairs the sends and receives between two ranks in the order they were issued, so
-the runtime issues them in an order that pairs by position alone (:func:`p2p_plan`).
+the runtime issues them in an order that pairs by position alone (:func:`p2p_plan`). With ``overlap_p2p``
+a rank posts them ahead in that order and waits for a receive only when an action needs it, so transfers run
+while it computes (Megatron-LM's ``--overlap-p2p-communication``); the results are the same bit for bit.
 
 Source: Huang et al. 2019, "GPipe"; Narayanan et al. 2019, "PipeDream: Generalized Pipeline
 Parallelism for DNN Training"; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
-GPU Clusters Using Megatron-LM", Sec. 2.2; PyTorch, ``torch.distributed.pipelining`` (``schedules.py``:
-the send of one step batched with the receive of the next); picotron ``pipeline_parallel.py``.
+GPU Clusters Using Megatron-LM", Sec. 2.2, and Megatron-LM ``schedules.py`` (``overlap_p2p_comm``); PyTorch,
+``torch.distributed.pipelining`` (``schedules.py``: the send of one step batched with the receive of the
+next); picotron ``pipeline_parallel.py``.
 """
 
 from __future__ import annotations
@@ -357,8 +360,8 @@ def _no_recorder(phase: str, action: Action | None) -> AbstractContextManager:
     return nullcontext()
 
 
-def _check_run(schedule: Schedule, stages: Mapping[int, nn.Module], rank: int, batch: int, group) -> None:
-    problems = []
+def _check_run(schedule: Schedule, stages: Mapping[int, nn.Module], rank: int, batch: int, group, overlap) -> None:
+    problems = [] if isinstance(overlap, bool) else [f"overlap_p2p must be True or False, got {overlap!r}"]
     if dist.get_world_size(group) != schedule.pp:
         problems.append(f"the schedule is for pp={schedule.pp} ranks but the group has {dist.get_world_size(group)}")
     elif sorted(stages) != schedule.stages_of(rank):
@@ -369,18 +372,47 @@ def _check_run(schedule: Schedule, stages: Mapping[int, nn.Module], rank: int, b
         raise ValueError("; ".join(problems))
 
 
-def _post(transfers: tuple[Transfer, ...], outbox: dict, inbox: dict, like: torch.Tensor, group) -> list:
-    """Post one batch: each send takes its tensor from ``outbox``, each receive leaves a buffer (shaped and
-    placed ``like``) in ``inbox``; both keyed by (kind, micro-batch, receiving stage)."""
-    ops = []
-    for t in transfers:
-        key = (t.kind, t.microbatch, t.stage)
-        if t.send:
-            ops.append(dist.P2POp(dist.isend, outbox.pop(key), group=group, group_peer=t.peer))
-        else:
-            inbox[key] = torch.empty_like(like)
-            ops.append(dist.P2POp(dist.irecv, inbox[key], group=group, group_peer=t.peer))
-    return dist.batch_isend_irecv(ops)
+class _Transfers:
+    """One rank's batches of transfers, posted in the plan's order, each with one ``batch_isend_irecv``. A send
+    takes its tensor from ``outbox``; a receive's buffer (shaped and placed ``like``) is handed out by
+    :meth:`take` once its request is done; both keyed by (kind, micro-batch, receiving stage)."""
+
+    def __init__(self, plan: list, like: torch.Tensor, group):
+        self.batches = [step for step in plan if isinstance(step, tuple)]
+        self.like, self.group, self.posted = like, group, 0
+        self.outbox, self.inbox, self.requests, self.sends = {}, {}, {}, []
+
+    def post_next(self) -> list:
+        """Post the plan's next batch; returns its requests."""
+        ops, batch = [], self.batches[self.posted]
+        for t in batch:
+            key = (t.kind, t.microbatch, t.stage)
+            if not t.send:
+                self.inbox[key] = torch.empty_like(self.like)
+            tensor = self.outbox.pop(key) if t.send else self.inbox[key]
+            ops.append(dist.P2POp(dist.isend if t.send else dist.irecv, tensor, group=self.group, group_peer=t.peer))
+        works, self.posted = dist.batch_isend_irecv(ops), self.posted + 1
+        for t, work in zip(batch, works if len(works) == len(ops) else works * len(ops), strict=True):  # NCCL: one
+            if t.send:
+                self.sends.append(work)
+            else:
+                self.requests[(t.kind, t.microbatch, t.stage)] = work
+        return works
+
+    def post_ready(self) -> None:
+        """Post every batch whose sends are computed, in the plan's order: receives go up ahead of time."""
+        while self.posted < len(self.batches) and all(
+            (t.kind, t.microbatch, t.stage) in self.outbox for t in self.batches[self.posted] if t.send
+        ):
+            self.post_next()
+
+    def take(self, key: tuple[str, int, int]) -> torch.Tensor:
+        """The received tensor for ``key``, after waiting for its request if nobody has (gloo's requests must be
+        waited for exactly once)."""
+        work = self.requests.pop(key, None)
+        if work is not None:
+            work.wait()
+        return self.inbox.pop(key)
 
 
 def run_schedule(
@@ -391,6 +423,7 @@ def run_schedule(
     *,
     group=None,
     recorder: Recorder | None = None,
+    overlap_p2p: bool = False,
 ) -> torch.Tensor | None:
     """Run this rank's actions of ``schedule`` for one batch; returns the batch's mean loss (detached) on the
     rank holding the last stage, None elsewhere.
@@ -400,9 +433,11 @@ def run_schedule(
     (:func:`pipeline_stage`), or is that slice when it holds one. ``inputs`` and ``targets`` (B, T) are the
     whole batch, split into M micro-batches along dim 0; the first stage reads the inputs, the last the
     targets, every rank their shape. Gradients accumulate in the stages' parameters, scaled to be the mean
-    loss's. ``recorder(phase, action)``, if given, returns a context manager wrapped around each forward
-    (phase ``"F"``), backward (``"B"``) and wait for a batch of transfers (``"p2p"``, with the action that
-    follows it, or None after the last one).
+    loss's. By default a rank waits for each batch of transfers where the plan posts it; ``overlap_p2p=True``
+    posts each batch as soon as its sends are computed, waits for a receive only when its action needs it,
+    and for the sends at the end (keeping their tensors until then). ``recorder(phase, action)``, if given,
+    returns a context manager wrapped around each forward (phase ``"F"``), backward (``"B"``) and wait for
+    transfers (``"p2p"``, with the action that waits, or None after the last one).
 
     Under NCCL the first call on a process group must include all its ranks: create the group with a bound
     device (``init_process_group(device_id=...)``) or run a collective on it first.
@@ -410,25 +445,34 @@ def run_schedule(
     rank = dist.get_rank(group)
     if not isinstance(stages, Mapping):
         stages = {schedule.stages_of(rank)[0]: stages}
-    _check_run(schedule, stages, rank, inputs.shape[0], group)
+    _check_run(schedule, stages, rank, inputs.shape[0], group, overlap_p2p)
     M, last, record = schedule.microbatches, schedule.n_stages - 1, recorder or _no_recorder
     # Copies, not views: a micro-batch's ids saved for the backward pass then keep only themselves alive.
     x_mbs, y_mbs = [t.clone() for t in inputs.chunk(M)], [t.clone() for t in targets.chunk(M)]
     some_stage = next(iter(stages.values()))
     weight = next(some_stage.parameters())  # messages are made where and in the precision this rank computes
-    like = weight.new_empty((*x_mbs[0].shape, some_stage.config.n_embd))
     plan = p2p_plan(schedule, rank)
-    stage_inputs, stage_outputs, outbox, inbox, losses = {}, {}, {}, {}, []
+    mail = _Transfers(plan, weight.new_empty((*x_mbs[0].shape, some_stage.config.n_embd)), group)
+    stage_inputs, stage_outputs, losses = {}, {}, []
     for i, step in enumerate(plan):
         if isinstance(step, tuple):
-            works = _post(step, outbox, inbox, like, group)
-            with record("p2p", next((a for a in plan[i:] if isinstance(a, Action)), None)):
-                for work in works:
-                    work.wait()
+            if not overlap_p2p:  # blocking: post the batch and wait for all of it before going on
+                works = mail.post_next()
+                with record("p2p", next((a for a in plan[i:] if isinstance(a, Action)), None)):
+                    for work in works:
+                        work.wait()
+                mail.requests.clear()  # waited for: gloo would wait a second time for a second message
+                mail.sends.clear()
             continue
         m, s = step.microbatch, step.stage
+        if overlap_p2p:
+            mail.post_ready()
+        key = ("F", m, s) if step.kind == "F" and s > 0 else ("B", m, s) if step.kind == "B" and s < last else None
+        if key is not None:
+            with record("p2p", step) if overlap_p2p else nullcontext():
+                received = mail.take(key)
         if step.kind == "F":
-            x = x_mbs[m] if s == 0 else inbox.pop(("F", m, s)).requires_grad_()
+            x = x_mbs[m] if s == 0 else received.requires_grad_()
             with record("F", step):
                 if s == last:
                     _, loss = stages[s](x, y_mbs[m])
@@ -438,11 +482,16 @@ def run_schedule(
                     out = stages[s](x)
             stage_inputs[(m, s)], stage_outputs[(m, s)] = x, out
             if s < last:
-                outbox[("F", m, s + 1)] = out.detach()
+                mail.outbox[("F", m, s + 1)] = out.detach()
         else:
             with record("B", step):
-                torch.autograd.backward(stage_outputs.pop((m, s)), inbox.pop(("B", m, s), None))
+                torch.autograd.backward(stage_outputs.pop((m, s)), received if key else None)
             x = stage_inputs.pop((m, s))
             if s > 0:
-                outbox[("B", m, s - 1)] = x.grad
+                mail.outbox[("B", m, s - 1)] = x.grad
+    if overlap_p2p:  # the last sends
+        mail.post_ready()
+        with record("p2p", None):
+            for work in mail.sends:
+                work.wait()
     return torch.stack(losses).mean() if losses else None
