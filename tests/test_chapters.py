@@ -216,7 +216,6 @@ GLUED_NAME = re.compile(r"\bglued\.(\w+)")
 FORWARD_GLUED = {
     "01_why_train_at_scale": {"gpus_real_rounded", "gpus_korthikanti_rounded"},
     "04_attention": {"mha_params", "flash_h100_smem_kb", "flash_h100_sms"},
-    "06_counting_parameters": {"dff_ratio_8b", "mlp_h2_405b", "dff_ratio_405b", "mlp_h2_8b"},
     "07_where_the_memory_goes": {"h100_fp8_over_bf16"},
     "10_data_parallelism": {"gpt2_tensors"},
     "11_zero_and_fsdp": {"paper_gb_0", "ddp_share_of_largest", "h100_gb", "largest_gb", "ddp_over_h100"},
