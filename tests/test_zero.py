@@ -151,10 +151,17 @@ def _train(name, method, opt_name, *, dtype=torch.float64, mp_policy=None, accum
     losses, norms = [], []
     for x, y in _batches(name, rank, world, BATCH * (dist.get_world_size() if method == "single" else 1)):
         with count_traffic() as traffic:  # the last step's collectives stay in `traffic`
-            for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate), strict=True):
+            for i, (xs, ys) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate), strict=True)):
+                if method.endswith("-nosync"):  # FSDP2's switch: reduce only in the last micro-batch
+                    if method.startswith("fsdp2"):
+                        model.set_requires_gradient_sync(i == accumulate - 1)
+                    else:
+                        zero.set_requires_gradient_sync(model, i == accumulate - 1)
                 xs, ys = (t.to(dtype) if t.is_floating_point() else t for t in (xs, ys))
                 loss = _loss(model, xs, ys) / accumulate
                 loss.backward()
+                if i == 0 and method.startswith(("zero2", "zero3")):
+                    grad_bytes = zero.held_bytes(model).grads  # after the first micro-batch (the last step's)
         if hasattr(model, "sync_gradients"):
             model.sync_gradients()
         if max_norm is not None:
@@ -166,7 +173,8 @@ def _train(name, method, opt_name, *, dtype=torch.float64, mp_policy=None, accum
             scheduler.step()
         losses.append(loss.item() * accumulate)
     calls = [(c.op, c.message_bytes) for c in traffic.calls]
-    return {"state": _full_state(model, method), "losses": losses, "norms": norms, "calls": calls}
+    out = {"state": _full_state(model, method), "losses": losses, "norms": norms, "calls": calls}
+    return out | ({"grad_bytes": grad_bytes} if accumulate > 1 and method.startswith(("zero2", "zero3")) else {})
 
 
 def _resumes_bit_identically(name, method) -> bool:
@@ -241,6 +249,11 @@ PRECISIONS = {
 }
 
 
+# Gradient accumulation with the reduction left to the last micro-batch, ours and FSDP2's, and FSDP2 reducing
+# every micro-batch (the default, which our zero2 and zero3 do as well).
+ACCUMULATE_NOSYNC = ("zero2-nosync", "zero3-nosync", "fsdp2-nosync", "fsdp2")
+
+
 def run_everything() -> dict:
     out = {"runs": {}, "mixed": {}, "accumulate": {}, "clip": {}}
     for name in ("gpt", "toy"):
@@ -253,7 +266,7 @@ def run_everything() -> dict:
             for method in ("zero2", "fsdp2-keep", "zero3", "fsdp2"):
                 out["mixed"][(name, precision, method)] = _train(name, method, "adamw", dtype=torch.float32,
                                                                  mp_policy=policy)  # fmt: skip
-        for method in ("zero1-rs", "zero2", "zero3", "single"):
+        for method in ("zero1-rs", "zero2", "zero3", "single", *ACCUMULATE_NOSYNC):
             if method != "single" or dist.get_rank() == 0:
                 out["accumulate"][(name, method)] = _train(name, method, "adamw", accumulate=2)
         for method in ("zero3", "single"):
@@ -378,6 +391,35 @@ def test_mixed_precision_equals_fsdp2_with_the_same_policy(ranks, precision, nam
 def test_gradient_accumulation_over_two_micro_batches_matches_one_process(ranks, name, method):
     runs = ranks[0]["accumulate"]
     assert _max_difference(runs[(name, method)]["state"], runs[(name, "single")]["state"]) < TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["gpt", "toy"])
+@pytest.mark.parametrize("method", ["zero2-nosync", "zero3-nosync"])
+def test_accumulating_full_gradients_until_the_last_micro_batch_matches_one_process_and_fsdp2(ranks, name, method):
+    runs = ranks[0]["accumulate"]
+    assert _max_difference(runs[(name, method)]["state"], runs[(name, "single")]["state"]) < TOLERANCE
+    # Both sum the same micro-batch gradients (a + b == b + a in floating point) and reduce once, as FSDP2 does.
+    assert _max_difference(runs[(name, method)]["state"], runs[(name, "fsdp2-nosync")]["state"]) == 0.0
+    assert _max_difference(runs[(name, "zero3")]["state"], runs[(name, "fsdp2")]["state"]) == 0.0
+
+
+@pytest.mark.parametrize("name", ["gpt", "toy"])
+def test_accumulation_trades_reduce_scatters_for_full_gradient_memory(ranks, name):
+    """Two micro-batches: reducing each sends two reduce-scatters per unit and holds a shard of the gradients after
+    the first; keeping them sends one per unit and holds every trainable gradient whole (hand counts, float64)."""
+    runs, model = ranks[0]["accumulate"], _model(name)
+    trainable = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))  # the tied weight once
+    # Units that reduce: the GPT's root and 2 blocks; the toy's root (tied weight, unused parameter), its encoder
+    # (the bias; the weight is tied) and hidden layers (the frozen layer reduces nothing, the decoder owns nothing).
+    units = 3
+    # Kept whole: every gradient that backward produced (the toy's unused parameter gets none until the reduction).
+    full = 8 * sum(p.numel() for p in trainable if not (name == "toy" and p is model.unused))
+    shard = 8 * sum(-(-p.shape[0] // 2) * p[0].numel() for p in trainable)  # ceil(rows / 2) rows on each rank
+    for stage in ("zero2", "zero3"):
+        counts = {m: sum(op == "reduce_scatter_single" for op, _ in runs[(name, m)]["calls"])
+                  for m in (stage, f"{stage}-nosync")}  # fmt: skip
+        assert counts == {stage: 2 * units, f"{stage}-nosync": units}
+        assert runs[(name, stage)]["grad_bytes"] == shard and runs[(name, f"{stage}-nosync")]["grad_bytes"] == full
 
 
 @pytest.mark.parametrize("method", ["zero1", "zero1-rs"])

@@ -1,6 +1,5 @@
 """ZeRO stages 2 and 3 as FSDP2 shapes them: ``fully_shard(model)`` shards any module in place, so that any
-elementwise ``torch.optim`` optimizer steps the shards; with prefetching, and hybrid sharding (HSDP) on a 2-D
-group.
+elementwise ``torch.optim`` optimizer steps the shards; with prefetching, and hybrid sharding (HSDP) on a 2-D group.
 
 Each parameter is sharded along dim 0 as FSDP2 does (padded to a multiple of N, rank r keeps rows
 [r k, (r + 1) k)), in the same ``nn.Parameter``. A *unit* (a block, or the root holding the rest) all-gathers
@@ -23,6 +22,8 @@ and when each unit computed, on this rank.
 **HSDP.** With ``replicate_group``, ``process_group`` is the shard group (the GPUs of one node) and
 ``replicate_group`` the ranks holding the same shard on the other nodes: the all-gathers and the
 reduce-scatter stay inside the shard group, and one all-reduce of the reduced shard crosses the replicas.
+
+**Accumulation.** :func:`set_requires_gradient_sync` (FSDP2's name) chooses per micro-batch: reduce now, or wait.
 
 Source: Zhao et al. 2023, "PyTorch FSDP" (Sec. 3.3 hybrid sharding, 3.4 backward and forward prefetching);
 Rajbhandari et al. 2020, "ZeRO", Sec. 7; Wang et al. 2023, "ZeRO++" (int8 all-gather); PyTorch documentation,
@@ -191,6 +192,7 @@ class _ShardedModule:
         self.replicate_group, self.forward_prefetch, self.backward_prefetch = (replicate_group, forward_prefetch,
                                                                                backward_prefetch)  # fmt: skip
         self.mp_policy, self.quantized_gather, self.in_backward_pass = mp_policy, quantized, False
+        self.requires_gradient_sync, self.unsynced = True, {}  # unit -> its full gradients kept unreduced
         self.forward_order: list[_Unit] = []  # the units in the order the last complete forward pass used them
         self.this_forward: list[_Unit] = []  # ... the forward pass under way
         self.post_forward_order: list[_Unit] = []  # this step's; the backward pass runs it in reverse
@@ -293,8 +295,14 @@ class _ShardedModule:
     def _post_backward(self, unit: _Unit) -> None:
         self._record("compute", unit, unit.compute_from)
         unit.in_backward, started = False, time.perf_counter()  # reduce-scatter into .grad, then free (stage 3)
-        grads = None
-        if unit.trainable:
+        grads, kept = None, self.unsynced.pop(unit, [None] * len(unit.trainable))
+        summed = [g if k is None else k if g is None else g.add_(k)
+                  for g, k in zip([p.grad for p in unit.trainable], kept, strict=True)]  # fmt: skip
+        if unit.trainable and not self.requires_gradient_sync:  # no collective: the full sums wait for the last
+            self.unsynced[unit] = summed
+        elif unit.trainable:
+            for p, grad in zip(unit.trainable, summed, strict=True):
+                p.grad = grad
             grads = unit.reduce_gradients(self.group, self.mp_policy.reduce_dtype, self.replicate_group)
             self._record("reduce", unit, started)
         unit.use_shards(grads)
@@ -363,6 +371,14 @@ def fully_shard(module: nn.Module, *, stage: int = 3, process_group=None, replic
     if stage == 2:  # a shard that views the full copy would make torch.save write the full copy
         module.register_state_dict_post_hook(_clone_views)
     return module
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
+    """FSDP2's switch for gradient accumulation. ``False``: backward passes reduce nothing; each unit keeps its full
+    gradients summed over micro-batches; the next backward with ``True`` adds them to its own and reduce-scatters."""
+    if (state := getattr(module, "_zero_sharding", None)) is None:
+        raise ValueError("the module is not sharded: call fully_shard(module) first")
+    state.requires_gradient_sync = bool(requires_gradient_sync)
 
 
 @contextmanager

@@ -44,6 +44,7 @@ from scalebook.parallel.fsdp import (  # noqa: F401  (stages 2 and 3, importable
     fully_shard,
     quantize_int8_blockwise,
     record_timeline,
+    set_requires_gradient_sync,
 )
 
 
@@ -186,13 +187,17 @@ def _storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
-def held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> StateBytes:
+def held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+               params: list[nn.Parameter] | None = None) -> StateBytes:  # fmt: skip
     """Bytes of the tensors this rank holds now, by kind, each storage once: parameters (shards, gathered
-    copies), gradients and the optimizer's per-element state (for a ZeRO-1 wrapper, its shard's)."""
-    units = module._zero_sharding.units if hasattr(module, "_zero_sharding") else []
-    params = [p.data for p in module.parameters()] + [t for u in units for t in (u.full, u.flat_shard)]
+    copies), gradients and the optimizer's per-element state (for a ZeRO-1 wrapper, its shard's). ``params``:
+    ``list(module.parameters())`` computed once by a caller that measures often (walking the modules costs most)."""
+    state = getattr(module, "_zero_sharding", None)
+    units, unsynced = (state.units, state.unsynced.values()) if state else ([], [])
+    params = list(module.parameters()) if params is None else params
+    grads = [p.grad for p in params] + [g for u in units for g in u.stashed_grads] + [g for k in unsynced for g in k]
+    params = [p.data for p in params] + [t for u in units for t in (u.full, u.flat_shard)]
     params += [t for u in units if u.pending for t in u.pending[1]]  # a prefetched all-gather's output
-    grads = [p.grad for p in module.parameters()] + [g for u in units for g in u.stashed_grads]
     inner = getattr(optimizer, "optim", optimizer)
     state = [t for s in (inner.state.values() if inner else []) for t in s.values() if torch.is_tensor(t) and t.dim()]
     return StateBytes(_storage_bytes(params), _storage_bytes(grads), _storage_bytes(state))
