@@ -18,7 +18,7 @@
    drifts in the machine hit both alike; reported: tokens/s of each, their ratio (package / plain: above 1 the
    package is faster) and MFU against the device's dense bf16 peak in :mod:`scalebook.configs` (6 N + attention
    FLOPs per token, matched by ``torch.cuda.get_device_name``; None for a device not listed there). Like for
-   like: the same AdamW (fused on CUDA, ``foreach=False`` elsewhere, as the package's default), the same
+   like: the same AdamW (fused on CUDA, the for-loop elsewhere: ``foreach`` left to torch in the package), the same
    learning-rate schedule set per step, clipping at 1.0 and bf16 autocast, and one fixed batch already on the
    device for both. What still differs is the package's: its two host syncs per step (``loss.item()`` and the
    gradient norm's, for its non-finite check), its own global-norm clipping, and ``zero_grad`` at the step's
@@ -226,7 +226,7 @@ def _synchronize(device: str) -> None:
 
 
 def _optimizer(raw, device: str):
-    """The one AdamW of both loops: fused on CUDA (nanoGPT's), ``foreach=False`` elsewhere (the package's)."""
+    """The one AdamW of both loops: fused on CUDA (nanoGPT's), the for-loop elsewhere (what torch picks for CPU tensors)."""
     import torch
 
     from scalebook.train.loop import weight_decay_groups

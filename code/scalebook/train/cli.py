@@ -343,8 +343,7 @@ def run(args: argparse.Namespace, plan: Plan | None = None) -> list:
     config = model_config(args)
     model = parallelize(GPT(config).to(device), dims,
                         param_groups=lambda m: weight_decay_groups(m, cfg.weight_decay),
-                        bucket_cap_mb=args.bucket_cap_mb, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                        foreach=False)  # fmt: skip
+                        bucket_cap_mb=args.bucket_cap_mb, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))  # fmt: skip
     tokens = data.load_tokens(args.data, args.encoding)  # a prepared folder is memory-mapped: each rank its rows
     generator = torch.Generator().manual_seed(args.seed)
     if args.overwrite and args.checkpoint_dir and env.rank == 0:

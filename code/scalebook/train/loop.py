@@ -104,9 +104,12 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay applies to matrices (dim >= 2), not to biases and LayerNorm gains."""
+    """AdamW; weight decay applies to matrices (dim >= 2), not to biases and LayerNorm gains.
+
+    ``foreach`` is left to torch, as in torch's own loops: one multi-tensor kernel per step on a GPU, the loop over
+    the tensors on a CPU (the same arithmetic, element by element)."""
     groups = weight_decay_groups(model, cfg.weight_decay)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
 def autocast_context(precision: str, device_type: str = "cpu"):
