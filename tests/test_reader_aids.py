@@ -268,7 +268,9 @@ def test_glossary_entries_point_to_chapters_that_exist():
     text = GLOSSARY.read_text(encoding="utf8")
     block = re.search(r"^```\{glossary\}\n(.*?)^```$", text, re.M | re.S).group(1)
     entries = [e for e in re.split(r"\n\s*\n", block) if e.strip() and not e.startswith(":")]
-    assert 100 <= len(entries) <= 200, f"{len(entries)} glossary entries"
+    # A sanity range for the parse (a broken split gives a handful or thousands), not a quota: 16 chapters define
+    # about 200 terms.
+    assert 100 <= len(entries) <= 260, f"{len(entries)} glossary entries"
     without_chapter = [e.splitlines()[0] for e in entries if "{doc}`../notebooks/" not in e]
     assert not without_chapter, f"entries without a link to a chapter: {without_chapter}"
     for target in set(re.findall(r"\{doc\}`(?:[^`<]*<)?\.\./(notebooks/[^`>]+)>?`", text)):

@@ -154,10 +154,14 @@ def training_steps(
         with autocast_context(cfg.precision, model.device.type):
             loss = model.forward_backward(x.to(model.device), y.to(model.device))
         grad_norm = model.clip_grad_norm_(clip)
-        finite = math.isfinite(loss.item()) and math.isfinite(grad_norm.item())
+        # One wait for the device per step, not one per number: both values come to the host together (float64
+        # holds a float32 or a float64 exactly, so the values are those that .item() would give).
+        both = [torch.as_tensor(v, device=model.device).detach().reshape(()) for v in (loss, grad_norm)]
+        loss_value, norm_value = torch.stack([v.to(torch.float64) for v in both]).tolist()
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite:
             model.step()
-        yield StepRecord(step + 1, loss.item(), grad_norm.item(), lr, time.perf_counter() - t0, skipped=not finite)
+        yield StepRecord(step + 1, loss_value, norm_value, lr, time.perf_counter() - t0, skipped=not finite)
 
 
 def train(
