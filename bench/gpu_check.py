@@ -226,7 +226,7 @@ def _synchronize(device: str) -> None:
 
 
 def _optimizer(raw, device: str):
-    """The one AdamW of both loops: fused on CUDA (nanoGPT's), the for-loop elsewhere (what torch picks for CPU tensors)."""
+    """The one AdamW of both loops: fused on CUDA (nanoGPT's), the for-loop elsewhere (torch's pick on a CPU)."""
     import torch
 
     from scalebook.train.loop import weight_decay_groups

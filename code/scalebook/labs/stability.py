@@ -51,7 +51,7 @@ STABILITY_CONFIG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2,
 
 
 class ProbedAttention(nn.Module):
-    """Causal attention softmax(Q K^T / sqrt(d_head) + M) V that records its largest |logit|, with optional
+    """Causal attention softmax(Q K^T / sqrt(d_head) + M) V that records its largest ``|logit|``, with optional
     QK-norm (a LayerNorm over each head's queries and one over its keys, applied before the product).
 
     Plugs into :class:`scalebook.model.CausalSelfAttention`'s ``core_attention`` hook, so the model itself
