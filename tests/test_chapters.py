@@ -215,12 +215,10 @@ GLUED_NAME = re.compile(r"\bglued\.(\w+)")
 # that no new one comes in.
 FORWARD_GLUED = {
     "01_why_train_at_scale": {"gpus_real_rounded", "gpus_korthikanti_rounded"},
-    "04_attention": {"mha_params", "flash_h100_smem_kb", "flash_h100_sms"},
     "07_where_the_memory_goes": {"h100_fp8_over_bf16"},
     "10_data_parallelism": {"gpt2_tensors"},
     "11_zero_and_fsdp": {"paper_gb_0", "ddp_share_of_largest", "h100_gb", "largest_gb", "ddp_over_h100"},
     "14_beyond_three_dimensions": {"cal_n"},
-    "15_on_a_real_cluster": {"ch15_corpus_tb"},
 }
 
 
