@@ -249,7 +249,7 @@ def train(recipe: Recipe, method: str, dtype: torch.dtype = torch.float32, *, ti
     seconds from the step's start (the bytes held within the step are then not tracked, nor with ``track_peak=False``).
     ``group``: the ranks that train together (default: all), each taking its rank's rows of the global batch.
     ``recipe.micro_batches`` > 1 accumulates gradients; ``sync_each=False`` reduces them only in the last micro-batch
-    (:func:`_forward_backward`); ``grad_bytes_after_first`` (ours): gradient bytes held after the first backward."""
+    (``_forward_backward``); ``grad_bytes_after_first`` (ours): gradient bytes held after the first backward."""
     model = recipe.model(dtype)
     shapes = {name: p.shape for name, p in model.named_parameters()}
     peak, measure = _peak_tracker(model)

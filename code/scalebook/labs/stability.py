@@ -125,8 +125,8 @@ def train_through_spike(
     k: float = 6.0,
     min_jump: float = 1.0,
 ) -> dict:
-    """Train :data:`STABILITY_CONFIG` with AdamW for ``steps`` steps: ``lr`` for ``calm_steps``, then
-    ``spike_lr`` (``lower_lr`` for the lower-learning-rate fix), with one of :data:`STABILITY_VARIANTS`.
+    """Train ``STABILITY_CONFIG`` with AdamW for ``steps`` steps: ``lr`` for ``calm_steps``, then
+    ``spike_lr`` (``lower_lr`` for the lower-learning-rate fix), with one of ``STABILITY_VARIANTS``.
 
     Returns per kept step ``losses`` (the cross-entropy, without z-loss), ``max_attention_logit`` and
     ``log_z``; ``spikes`` (:func:`find_spikes` on the kept losses) and ``rewinds`` (the steps at which the
