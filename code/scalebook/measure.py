@@ -9,6 +9,7 @@ Each function measures on a real model what :mod:`scalebook.accounting` predicts
     peak_matmul_flops                 this machine's fp32 matrix-multiply FLOP/s, the peak for MFU on a CPU
     copy_bandwidth                    this machine's memory bandwidth, from a large copy
     peak_allocated_bytes              the most bytes torch's CPU allocator held at once during a call
+    one_thread                        torch on one thread for a block (small runs, the same results anywhere)
     gpt_layer_op_calls, roofline_points   the operators of a GPT layer, run and timed for the roofline
 
 ``tracemalloc`` does not see torch's allocations, and process RSS mixes in the interpreter and the
@@ -29,10 +30,11 @@ Williams et al. 2009, "Roofline" (peak and bandwidth measured by a kernel that s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -352,6 +354,19 @@ def count_flops(model: torch.nn.Module, inputs, *, loss_fn: Callable | None = No
             torch.autograd.grad(loss, params, allow_unused=True)
         backward = tally(counter)
     return FlopCount(forward=forward, backward=backward, by_operator=MappingProxyType(by_operator))
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch on one intra-op thread inside the block, the caller's count restored after it. For runs of small
+    matrices: a second thread gains them nothing, on a busy machine the threads' waiting for each other costs
+    many times the work, and one thread gives the same results on a machine of any core count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def best_time(fn: Callable[[], object], *, repeats: int = 5) -> float:

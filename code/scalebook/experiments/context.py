@@ -217,10 +217,8 @@ def _time_ring(local: list[torch.Tensor], variants, *, rounds: int) -> dict[tupl
     waited, nor what other processes ran. The variants take turns, round after round, so that a change of
     load falls on all of them; each rank keeps, per variant, its round with the least CPU time.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     best = {}
-    try:
+    with measure.one_thread():
         for _ in range(rounds):
             for split, skip, overlap in variants:
                 mine = [t.clone().requires_grad_() for t in local[:3]]
@@ -235,8 +233,6 @@ def _time_ring(local: list[torch.Tensor], variants, *, rounds: int) -> dict[tupl
                 kept = best.get((split, skip, overlap))
                 if kept is None or computing < kept["forward"] + kept["backward"]:
                     best[split, skip, overlap] = seconds
-    finally:
-        torch.set_num_threads(threads)
     every_rank = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, best)
     return {variant: [mine[variant] for mine in every_rank] for variant in variants}

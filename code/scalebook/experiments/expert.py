@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from scalebook import data
+from scalebook import data, measure
 from scalebook.comm import count_traffic, launch
 from scalebook.model import GPT, GPTConfig
 from scalebook.parallel.expert import (
@@ -175,11 +175,7 @@ def train_load_balance(
     """
     if balancing not in BALANCING:
         raise ValueError(f"balancing must be one of {BALANCING}, got {balancing!r}")
-    # Matrices this small gain nothing from a second thread, and on a busy machine the threads' waiting
-    # for each other costs many times the work; one thread also makes the run bit-identical everywhere.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with measure.one_thread():  # matrices this small: bit-identical everywhere, and no threads waiting
         config = GPTConfig(vocab_size=256, block_size=seq_len, n_layer=2, n_head=4, n_embd=64, n_experts=n_experts,
                            expert_top_k=top_k, expert_capacity_factor=capacity_factor)  # fmt: skip
         torch.manual_seed(seed)
@@ -188,8 +184,6 @@ def train_load_balance(
             if isinstance(layer, MoE):
                 layer.config = replace(layer.config, aux_loss_weight=aux_loss_weight, bias_update=bias_update)
         return _train_load_balance(model, balancing, steps, batch_size, seq_len, lr, seed)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _train_load_balance(model, balancing, steps, batch_size, seq_len, lr, seed) -> dict[str, list[float]]:

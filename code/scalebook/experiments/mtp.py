@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from scalebook import data
+from scalebook import data, measure
 from scalebook.model import GPT, GPTConfig
 from scalebook.mtp import MultiTokenPrediction
 from scalebook.parallel.parallelize import ParallelModel
@@ -47,14 +47,8 @@ def compare_mtp(
     val_tokens = val_tokens[: eval_windows * seq_len + 1]
     cfg = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, min_lr=lr / 10, seed=seed,
                       progress=False)  # fmt: skip
-    # Matrices this small gain nothing from a second thread, and on a busy machine the threads' waiting
-    # for each other costs many times the work; one thread also makes the run bit-identical everywhere.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with measure.one_thread():  # matrices this small: bit-identical everywhere, and no threads waiting
         return {depth: _train(depth, weight, cfg, train_tokens, val_tokens, eval_every) for depth in depths}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _train(depth, weight, cfg, train_tokens, val_tokens, eval_every) -> dict:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from scalebook.measure import one_thread
 from scalebook.model import GPT, GPTConfig
 from scalebook.scaling import isoflop_minimum
 from scalebook.train import TrainConfig, evaluate, train
@@ -64,10 +65,8 @@ def isoflop_ladder(
     """
     if not plan or any(not widths for widths in plan.values()):
         raise ValueError("plan needs at least one budget, each with at least one width, e.g. {1e9: (4, 8, 12)}")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     runs = []
-    try:
+    with one_thread():
         for budget, widths in plan.items():
             for width in widths:
                 torch.manual_seed(seed)
@@ -87,8 +86,6 @@ def isoflop_ladder(
                 train(model, train_tokens, cfg)
                 val_loss = evaluate(model, val_tokens, seq_len=seq_len, batch_size=64)
                 runs.append(LadderRun(budget, width, params, steps, steps * cfg.tokens_per_step, val_loss))
-    finally:
-        torch.set_num_threads(threads)
     return runs
 
 

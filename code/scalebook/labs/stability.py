@@ -25,7 +25,6 @@ Zhang et al. 2022, "OPT" logbook (restarts from checkpoints with a lower learnin
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import statistics
@@ -36,6 +35,7 @@ from torch import nn
 
 from scalebook.data import corpus_tokens, get_batch
 from scalebook.labs.checks import check_variants
+from scalebook.measure import one_thread
 from scalebook.model import GPT, GPTConfig
 
 STABILITY_VARIANTS = (
@@ -134,7 +134,7 @@ def train_through_spike(
     on, as an operator would stop rewinding a run whose spikes come back).
     """
     (variant,) = check_variants([variant], STABILITY_VARIANTS)
-    with _one_thread():  # one thread: the same results on a 1- and a 2-core machine
+    with one_thread():  # the same results on a 1- and a 2-core machine
         rewinding = "rewind" in variant
         torch.manual_seed(seed)
         model = GPT(STABILITY_CONFIG)
@@ -182,13 +182,3 @@ def stability_lab(variants=STABILITY_VARIANTS, **kwargs) -> dict:
     variants = check_variants(variants, STABILITY_VARIANTS)
     return {variant: train_through_spike(variant, **kwargs) for variant in variants}
 
-
-@contextlib.contextmanager
-def _one_thread():
-    """One intra-op thread while a run trains: its results are then the same on a 1- and a 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
