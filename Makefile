@@ -39,15 +39,13 @@ site: $(STAMP)
 
 ## test: nbval over every notebook first, then unit and distributed tests, the book build (from the
 ## committed outputs, so nothing executes twice) and the browser checks
-## Three pytest-xdist workers on two cores (--dist loadscope, grouped by tests/conftest.py: a notebook, a module, the
-## book's users and the SLURM users each stay on one worker): SLURM's scheduling, rendezvous, timeouts and page
-## loads spend much of their time waiting, and a third worker computes meanwhile. Every test is bounded by
-## pytest-timeout (pyproject.toml). TEST_XDIST="-n 0" runs them in one process.
+## Two pytest-xdist workers (--dist loadscope, grouped by tests/conftest.py: a notebook, a module, the book's users
+## and the SLURM users each stay on one worker); many tests wait on launches and subprocesses rather than compute.
+## Every test is bounded by pytest-timeout (pyproject.toml). XDIST="-n 0" runs them in one process.
 XDIST ?= -n 2 --dist loadscope
-TEST_XDIST ?= -n 3 --dist loadscope
 test: $(STAMP)
 	$(BIN)/python -m pytest notebooks tests --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
-		$(TEST_XDIST) --durations=25
+		$(XDIST) --durations=25
 
 ## test-durations: `make test`, writing each xdist group's measured seconds to tests/group_durations.json (the
 ## workers take the longest groups first; commit the file after a run on the 2-core machine)

@@ -1,4 +1,4 @@
-"""How `make test` (three workers) and `make check` (two) share the tests between their pytest-xdist workers.
+"""How `make test` and `make check` share the tests between two pytest-xdist workers.
 
 Tests go to the workers in groups (see ``conftest.xdist_group``): a notebook's cells run in order in one kernel, a
 module's shared launch runs once, every user of the built book shares one worker, and the two local SLURM clusters
